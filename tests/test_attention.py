@@ -1,0 +1,260 @@
+"""The shared test base: every schedule runs through these cases against the float64 reference.
+
+A schedule that cannot run here (no GPU, not built) is skipped with its reason; a case outside a
+schedule's envelope (dtype, head dim, feature) is skipped with the schedule's own reason, so the
+skips list exactly what each kernel does not cover.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash._config import AttentionShape
+from jax_flash._validate import build_config
+from jax_flash.schedules import registered
+from attention_cases import (GRAD_REL, OUT_ATOL, Case, as_f64, make_inputs, reference_backward,
+                             reference_forward, relative_l2)
+
+SCHEDULES = sorted(registered())
+# Short-query schedules (decode) only take calls with few query rows; the base still runs them.
+
+FORWARD_CASES = [
+    # odd sizes
+    Case(b=1, t=1, s=1, n=1, k=1, h=8),
+    Case(b=2, t=17, s=17, n=4, k=2, h=32),
+    Case(b=1, t=97, s=55, n=6, k=3, h=64),
+    Case(b=1, t=1030, s=1030, n=2, k=1, h=64),
+    Case(b=1, t=40, s=1100, n=2, k=2, h=64, is_causal=True),
+    # head dims 8..256, including ones that are not a multiple of 8
+    Case(b=1, t=33, s=40, n=2, k=2, h=20),
+    Case(b=1, t=33, s=40, n=2, k=1, h=72),
+    Case(b=1, t=33, s=40, n=2, k=2, h=128),
+    Case(b=1, t=33, s=40, n=2, k=2, h=256),
+    # GQA ratios
+    Case(b=2, t=17, s=97, n=8, k=1, h=64),
+    Case(b=1, t=17, s=31, n=6, k=2, h=64),
+    # features
+    Case(is_causal=True, t=97, s=97, h=64),
+    Case(is_causal=True, t=50, s=97, h=64),
+    Case(window=(5, 3), t=97, s=97, h=64),
+    Case(window=(0, 0), t=20, s=20, h=32),
+    Case(is_causal=True, window=(16, 0), t=97, s=97, h=64),
+    Case(bias=("1", "n", "t", "s"), t=31, s=45, h=64),
+    Case(bias=("b", "1", "1", "s"), t=31, s=45, h=64),
+    Case(mask=("b", "1", "t", "s"), t=31, s=45, h=64),
+    Case(mask=("1", "1", "t", "s"), bias=("b", "n", "t", "s"), is_causal=True, t=45, s=45, h=64),
+    Case(seqlens=True, t=40, s=70, h=64),
+    Case(seqlens=True, is_causal=True, t=70, s=70, h=64),
+    Case(softcap=5.0, t=33, s=40, h=64),
+    Case(softcap=3.0, bias=("1", "1", "t", "s"), is_causal=True, t=33, s=33, h=64),
+    Case(scale=0.5, t=17, s=20, h=64),
+]
+DTYPES = ("float32", "bfloat16", "float16")
+
+GRAD_CASES = [
+    Case(b=2, t=17, s=23, n=4, k=2, h=32),
+    Case(b=1, t=97, s=97, n=2, k=1, h=64, is_causal=True),
+    Case(b=1, t=45, s=60, n=4, k=4, h=64, window=(7, 2)),
+    Case(b=2, t=31, s=31, n=2, k=2, h=64, bias=("1", "n", "t", "s"), mask=("b", "1", "t", "s")),
+    Case(b=2, t=33, s=40, n=2, k=1, h=128, seqlens=True),
+    Case(b=1, t=33, s=40, n=2, k=2, h=64, softcap=4.0, bias=("b", "1", "1", "s")),
+    Case(b=1, t=1030, s=1030, n=1, k=1, h=32, is_causal=True),
+    Case(b=1, t=17, s=17, n=2, k=2, h=20),
+]
+
+
+def _require(schedule: str, case: Case):
+  """Skip when the schedule cannot run here or does not cover this case; returns nothing."""
+  status = {s.name: s for s in jax_flash.schedules()}[schedule]
+  if not status.available:
+    pytest.skip(f"{schedule}: {status.reason}")
+  x = jax.ShapeDtypeStruct((case.b, case.t, case.n, case.h), case.dtype)
+  kv = jax.ShapeDtypeStruct((case.b, case.s, case.k, case.h), case.dtype)
+  bias = jax.ShapeDtypeStruct(case.dims(case.bias), jnp.float32) if case.bias else None
+  mask = jax.ShapeDtypeStruct(case.dims(case.mask), jnp.bool_) if case.mask else None
+  shape, config = build_config(x, kv, kv, bias, mask, scale=case.scale, is_causal=case.is_causal,
+                               query_seq_lengths=None, key_value_seq_lengths=None,
+                               local_window_size=case.window, softcap=case.softcap)
+  reason = registered()[schedule].unsupported_reason(shape, case.dtype, config)
+  if reason:
+    pytest.skip(f"{schedule}: {reason}")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=str)
+def test_forward_matches_float64(schedule, dtype, case, rng):
+  case = dataclasses.replace(case, dtype=dtype)
+  _require(schedule, case)
+  x = make_inputs(case, rng)
+  out, lse = jax.jit(lambda q, k, v, **kw: jax_flash.flash_attention(
+      q, k, v, return_residual=True, schedule=schedule, **kw))(x.q, x.k, x.v, **x.kwargs(case))
+  want_out, want_lse = reference_forward(case, x)
+  assert out.shape == x.q.shape and out.dtype == x.q.dtype
+  err = np.max(np.abs(as_f64(out) - want_out), initial=0.0)
+  assert err <= OUT_ATOL[dtype], f"{case}: max abs error {err:.3g} > {OUT_ATOL[dtype]}"
+  lse = as_f64(jnp.transpose(lse, (0, 2, 1)))
+  finite = np.isfinite(want_lse)
+  np.testing.assert_array_equal(np.isfinite(lse), finite, err_msg="fully-masked rows differ")
+  lse_tol = 4 * OUT_ATOL[dtype] * max(1.0, np.max(np.abs(want_lse[finite]), initial=1.0))
+  assert np.max(np.abs(lse[finite] - want_lse[finite]), initial=0.0) <= lse_tol
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", GRAD_CASES, ids=str)
+def test_gradients_match_float64(schedule, dtype, case, rng):
+  case = dataclasses.replace(case, dtype=dtype)
+  _require(schedule, case)
+  x = make_inputs(case, rng)
+  dout = jnp.asarray(rng.standard_normal(x.q.shape), jnp.float32).astype(dtype)
+  kwargs = x.kwargs(case)
+  bias = kwargs.pop("bias")
+
+  def loss(q, k, v, bias):
+    out = jax_flash.flash_attention(q, k, v, bias, schedule=schedule, **kwargs)
+    return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+
+  argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
+  grads = jax.jit(jax.grad(loss, argnums=argnums))(x.q, x.k, x.v, bias)
+  dq, dk, dv, dbias_full = reference_backward(case, x, dout)
+  wants = [dq, dk, dv]
+  if bias is not None:
+    axes = tuple(i for i, d in enumerate(bias.shape) if d == 1)
+    wants.append(dbias_full.sum(axis=axes, keepdims=True))
+  for name, got, want in zip(("dq", "dk", "dv", "dbias"), grads, wants):
+    assert got.shape == want.shape, name
+    rel = relative_l2(got, want)
+    assert rel <= GRAD_REL[dtype], f"{case}: {name} relative L2 error {rel:.3g}"
+
+
+def test_fully_masked_rows_are_zero(rng):
+  case = Case(b=1, t=8, s=8, n=2, k=2, h=16, mask=("1", "1", "t", "s"))
+  x = make_inputs(case, rng)
+  mask = x.mask.at[0, 0, 3, :].set(False)
+  out, lse = jax_flash.flash_attention(x.q, x.k, x.v, mask=mask, return_residual=True)
+  np.testing.assert_array_equal(np.asarray(out[0, 3]), 0.0)
+  assert np.all(np.isneginf(np.asarray(lse[0, 3])))
+  grad = jax.grad(lambda q: jnp.sum(jax_flash.flash_attention(q, x.k, x.v, mask=mask)))(x.q)
+  np.testing.assert_array_equal(np.asarray(grad[0, 3]), 0.0)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(), dict(is_causal=True), dict(local_window_size=(3, 1)), dict(scale=0.2),
+], ids=str)
+def test_agrees_with_jax_nn(kwargs, rng):
+  case = Case(b=2, t=19, s=19, n=4, k=2, h=32)
+  x = make_inputs(case, rng)
+  bias = jnp.asarray(rng.standard_normal((1, 4, 19, 19)), jnp.float32)
+  mask = jnp.asarray(rng.random((2, 1, 19, 19)) > 0.2).at[:, :, :, 0].set(True)
+  want = jax.nn.dot_product_attention(x.q, x.k, x.v, bias, mask, implementation="xla", **kwargs)
+  got = jax_flash.flash_attention(x.q, x.k, x.v, bias, mask, **kwargs)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+  got_res = jax_flash.flash_attention(x.q, x.k, x.v, bias, mask, return_residual=True, **kwargs)
+  want_res = jax.nn.dot_product_attention(x.q, x.k, x.v, bias, mask, implementation="xla",
+                                          return_residual=True, **kwargs)
+  np.testing.assert_allclose(np.asarray(got_res[1]), np.asarray(want_res[1]), atol=2e-5)
+
+
+def test_vmap_is_one_batched_kernel_call(rng):
+  case = Case(b=2, t=17, s=23, n=4, k=2, h=32, bias=("1", "n", "t", "s"), seqlens=True)
+  xs = [make_inputs(case, rng) for _ in range(3)]
+  q = jnp.stack([x.q for x in xs])
+  k = jnp.stack([x.k for x in xs])
+  bias = jnp.stack([x.bias for x in xs])
+  v, q_lens = xs[0].v, xs[0].q_lens   # unbatched operands broadcast
+
+  def f(q, k, bias):
+    return jax_flash.flash_attention(q, k, v, bias, is_causal=True, query_seq_lengths=q_lens)
+
+  got = jax.jit(jax.vmap(f))(q, k, bias)
+  for i in range(3):
+    np.testing.assert_allclose(np.asarray(got[i]), np.asarray(f(q[i], k[i], bias[i])), atol=1e-6)
+  hlo = jax.jit(jax.vmap(f)).lower(q, k, bias).as_text()
+  assert hlo.count("jax_flash_cpu_fwd") == 1 or jax.default_backend() != "cpu", hlo
+  grad = jax.grad(lambda q: jnp.sum(jax.vmap(f)(q, k, bias) ** 2))(q)
+  for i in range(3):
+    want = jax.grad(lambda qi: jnp.sum(f(qi, k[i], bias[i]) ** 2))(q[i])
+    np.testing.assert_allclose(np.asarray(grad[i]), np.asarray(want), atol=1e-5)
+
+
+def test_checkpoint_and_check_grads(rng):
+  case = Case(b=1, t=9, s=11, n=2, k=1, h=8, bias=("1", "n", "t", "s"))
+  x = make_inputs(case, rng)
+
+  def f(q, k, v, bias):
+    return jax_flash.flash_attention(q, k, v, bias, is_causal=True, softcap=3.0)
+
+  jax.test_util.check_grads(f, (x.q, x.k, x.v, x.bias), order=1, modes=["rev"], atol=2e-3,
+                            rtol=2e-3)
+  remat = jax.checkpoint(lambda q, k, v, b: jnp.sum(f(q, k, v, b) ** 2))
+  plain = lambda q, k, v, b: jnp.sum(f(q, k, v, b) ** 2)
+  for got, want in zip(jax.grad(remat, (0, 1, 2, 3))(x.q, x.k, x.v, x.bias),
+                       jax.grad(plain, (0, 1, 2, 3))(x.q, x.k, x.v, x.bias)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+
+
+def test_schedules_lists_every_schedule_with_reasons():
+  statuses = jax_flash.schedules()
+  names = {s.name for s in statuses}
+  assert "cpu" in names
+  for s in statuses:
+    assert s.available or s.reason, s
+    assert str(s).startswith(s.name)
+  if jax.default_backend() == "cpu":
+    assert {s.name for s in statuses if s.available} == {"cpu"}
+
+
+BAD_INPUTS = [
+    (dict(q_shape=(2, 8, 4)), "query"),
+    (dict(k_shape=(2, 8, 3, 16)), "key heads"),
+    (dict(k_shape=(3, 8, 2, 16)), "key batch"),
+    (dict(k_shape=(2, 8, 2, 8)), "key head dim"),
+    (dict(v_shape=(2, 9, 2, 16)), "value"),
+    (dict(dtype_k=jnp.float16), "share one dtype"),
+    (dict(dtype=jnp.int32), "query dtype"),
+    (dict(q_shape=(2, 8, 4, 300), k_shape=(2, 8, 2, 300), v_shape=(2, 8, 2, 300)), "head dim"),
+    (dict(bias=jnp.zeros((2, 3, 8, 8))), "bias"),
+    (dict(bias=jnp.zeros((8, 8))), "bias"),
+    (dict(mask=jnp.ones((2, 4, 8, 8), jnp.float32)), "mask must be a boolean"),
+    (dict(mask=jnp.ones((2, 4, 8, 7), bool)), "mask"),
+    (dict(query_seq_lengths=jnp.ones((3,), jnp.int32)), "query_seq_lengths"),
+    (dict(key_value_seq_lengths=jnp.ones((2,), jnp.float32)), "key_value_seq_lengths"),
+    (dict(local_window_size=(-1, 2)), "local_window_size"),
+    (dict(local_window_size=(1, 2, 3)), "local_window_size"),
+    (dict(softcap=-1.0), "softcap"),
+    (dict(scale=float("nan")), "scale"),
+    (dict(schedule="v9"), "schedule"),
+    (dict(is_causal="yes"), "is_causal"),
+]
+
+
+@pytest.mark.parametrize("spec,needle", BAD_INPUTS, ids=lambda x: str(x)[:40])
+def test_bad_input_raises_value_error_naming_argument(spec, needle):
+  spec = dict(spec)
+  dtype = spec.pop("dtype", jnp.float32)
+  q = jnp.zeros(spec.pop("q_shape", (2, 8, 4, 16)), dtype)
+  k = jnp.zeros(spec.pop("k_shape", (2, 8, 2, 16)), spec.pop("dtype_k", dtype))
+  v = jnp.zeros(spec.pop("v_shape", k.shape), k.dtype)
+  with pytest.raises(ValueError, match=needle):
+    jax_flash.flash_attention(q, k, v, **spec)
+
+
+def test_unavailable_schedule_names_its_reason():
+  unavailable = [s for s in jax_flash.schedules() if not s.available]
+  if not unavailable:
+    pytest.skip("every schedule is available here")
+  q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=f"schedule={unavailable[0].name!r}"):
+    jax_flash.flash_attention(q, q, q, schedule=unavailable[0].name)
+
+
+def test_traced_scale_is_refused():
+  q = jnp.zeros((1, 4, 1, 8))
+  with pytest.raises(ValueError, match="scale"):
+    jax.jit(lambda q, s: jax_flash.flash_attention(q, q, q, scale=s))(q, 0.5)
