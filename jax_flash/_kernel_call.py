@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
+from jax_flash import sharding
 from jax_flash._config import AttentionConfig, AttentionShape
 from jax_flash.schedules.base import Schedule
 
@@ -69,6 +70,13 @@ def _raw_backward(schedule: Schedule, config: AttentionConfig, q, k, v, bias, ma
   return dq, dk, dv, (dbias if bias is not None else None)
 
 
+# Under a multi-device jit each call is a custom partitioning op (sharding.py). The partitioning
+# sits inside the custom_vmap: the batching rule folds the vmapped axis first, then the folded
+# call is partitioned (custom_partitioning has no batching rule of its own).
+_partitioned_forward = sharding.partitioned(_raw_forward, "forward")
+_partitioned_backward = sharding.partitioned(_raw_backward, "backward")
+
+
 # -- batching: fold the vmapped axis into the batch axis ---------------------------------------
 
 # Positions of bias and mask among the standard inputs: 4-D, batch dim 1 or B.
@@ -121,11 +129,12 @@ def _vmappable(raw, schedule: Schedule, config: AttentionConfig):
 def forward(schedule: Schedule, config: AttentionConfig, q, k, v, bias, mask, q_seqlens,
             kv_seqlens):
   """(out [B,T,N,H], lse f32 [B,N,T])."""
-  return _vmappable(_raw_forward, schedule, config)(q, k, v, bias, mask, q_seqlens, kv_seqlens)
+  return _vmappable(_partitioned_forward, schedule, config)(
+      q, k, v, bias, mask, q_seqlens, kv_seqlens)
 
 
 def backward(schedule: Schedule, config: AttentionConfig, q, k, v, bias, mask, q_seqlens,
              kv_seqlens, out, lse, dout):
   """(dq, dk, dv, dbias full f32 [B,N,T,S] or None)."""
-  return _vmappable(_raw_backward, schedule, config)(
+  return _vmappable(_partitioned_backward, schedule, config)(
       q, k, v, bias, mask, q_seqlens, kv_seqlens, out, lse, dout)

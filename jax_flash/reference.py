@@ -42,7 +42,7 @@ def _expand_kv(x, num_heads):
 
 def _scores(q, k, bias, scale, softcap):
   """(capped scores x before bias, final scores) as [B, N, T, S]."""
-  raw = scale * np.einsum("btnh,bnsh->bnts", q, k)
+  raw = scale * np.einsum("btnh,bnsh->bnts", q, k, optimize=True)
   capped = softcap * np.tanh(raw / softcap) if softcap else raw
   final = capped + (0.0 if bias is None else np.broadcast_to(bias, capped.shape))
   return capped, final
@@ -58,7 +58,7 @@ def attention_forward_f64(q, k, v, bias=None, mask=None, q_seqlens=None, kv_seql
   keep = keep_mask(b, n, t, k.shape[1], mask, q_seqlens, kv_seqlens, is_causal=is_causal,
                    window_left=window_left, window_right=window_right)
   p, lse = _masked_softmax(x, keep)
-  out = np.einsum("bnts,bnsh->btnh", p, vx)
+  out = np.einsum("bnts,bnsh->btnh", p, vx, optimize=True)
   return out, lse
 
 
@@ -87,14 +87,14 @@ def attention_backward_f64(q, k, v, dout, bias=None, mask=None, q_seqlens=None, 
   keep = keep_mask(b, n, t, k.shape[1], mask, q_seqlens, kv_seqlens, is_causal=is_causal,
                    window_left=window_left, window_right=window_right)
   p, _ = _masked_softmax(x, keep)
-  dvx = np.einsum("bnts,btnh->bnsh", p, dout)
-  dp = np.einsum("btnh,bnsh->bnts", dout, vx)
+  dvx = np.einsum("bnts,btnh->bnsh", p, dout, optimize=True)
+  dp = np.einsum("btnh,bnsh->bnts", dout, vx, optimize=True)
   ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
   dbias = ds
   if softcap:
     ds = ds * (1.0 - (capped / softcap) ** 2)
-  dq = scale * np.einsum("bnts,bnsh->btnh", ds, kx)
-  dkx = scale * np.einsum("bnts,btnh->bnsh", ds, q)
+  dq = scale * np.einsum("bnts,bnsh->btnh", ds, kx, optimize=True)
+  dkx = scale * np.einsum("bnts,btnh->bnsh", ds, q, optimize=True)
 
   def fold(x):  # [B, N, S, H] -> [B, S, K, H], summing the query heads of each group
     return np.transpose(x.reshape(b, n // group, group, *x.shape[2:]).sum(2), (0, 2, 1, 3))

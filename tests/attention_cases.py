@@ -55,10 +55,16 @@ class Inputs:
   q_lens: jnp.ndarray | None
   kv_lens: jnp.ndarray | None
 
-  def kwargs(self, case: Case) -> dict:
-    return dict(bias=self.bias, mask=self.mask, scale=case.scale, is_causal=case.is_causal,
-                query_seq_lengths=self.q_lens, key_value_seq_lengths=self.kv_lens,
-                local_window_size=case.window, softcap=case.softcap)
+  def arrays(self) -> dict:
+    """The array keyword arguments of flash_attention (traced under jit)."""
+    return dict(bias=self.bias, mask=self.mask, query_seq_lengths=self.q_lens,
+                key_value_seq_lengths=self.kv_lens)
+
+  @staticmethod
+  def statics(case: Case) -> dict:
+    """The static keyword arguments of flash_attention (closed over, never traced)."""
+    return dict(scale=case.scale, is_causal=case.is_causal, local_window_size=case.window,
+                softcap=case.softcap)
 
   def reference_kwargs(self, case: Case) -> dict:
     left, right = case.window if case.window is not None else (-1, -1)

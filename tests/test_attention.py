@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from jax.test_util import check_grads
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash._config import AttentionShape
 from jax_flash._validate import build_config
 from jax_flash.schedules import registered
 from attention_cases import (GRAD_REL, OUT_ATOL, Case, as_f64, make_inputs, reference_backward,
@@ -92,8 +92,10 @@ def test_forward_matches_float64(schedule, dtype, case, rng):
   case = dataclasses.replace(case, dtype=dtype)
   _require(schedule, case)
   x = make_inputs(case, rng)
-  out, lse = jax.jit(lambda q, k, v, **kw: jax_flash.flash_attention(
-      q, k, v, return_residual=True, schedule=schedule, **kw))(x.q, x.k, x.v, **x.kwargs(case))
+  statics = x.statics(case)
+  out, lse = jax.jit(lambda q, k, v, **arrays: jax_flash.flash_attention(
+      q, k, v, return_residual=True, schedule=schedule, **arrays, **statics))(
+          x.q, x.k, x.v, **x.arrays())
   want_out, want_lse = reference_forward(case, x)
   assert out.shape == x.q.shape and out.dtype == x.q.dtype
   err = np.max(np.abs(as_f64(out) - want_out), initial=0.0)
@@ -113,11 +115,12 @@ def test_gradients_match_float64(schedule, dtype, case, rng):
   _require(schedule, case)
   x = make_inputs(case, rng)
   dout = jnp.asarray(rng.standard_normal(x.q.shape), jnp.float32).astype(dtype)
-  kwargs = x.kwargs(case)
-  bias = kwargs.pop("bias")
+  arrays = x.arrays()
+  bias = arrays.pop("bias")
+  statics = x.statics(case)
 
   def loss(q, k, v, bias):
-    out = jax_flash.flash_attention(q, k, v, bias, schedule=schedule, **kwargs)
+    out = jax_flash.flash_attention(q, k, v, bias, schedule=schedule, **arrays, **statics)
     return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
 
   argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
@@ -190,7 +193,7 @@ def test_checkpoint_and_check_grads(rng):
   def f(q, k, v, bias):
     return jax_flash.flash_attention(q, k, v, bias, is_causal=True, softcap=3.0)
 
-  jax.test_util.check_grads(f, (x.q, x.k, x.v, x.bias), order=1, modes=["rev"], atol=2e-3,
+  check_grads(f, (x.q, x.k, x.v, x.bias), order=1, modes=["rev"], atol=2e-3,
                             rtol=2e-3)
   remat = jax.checkpoint(lambda q, k, v, b: jnp.sum(f(q, k, v, b) ** 2))
   plain = lambda q, k, v, b: jnp.sum(f(q, k, v, b) ** 2)

@@ -1,0 +1,387 @@
+// Backward of the v1 and v2 schedules (FlashAttention-2 kernels, sm_80 tensor cores).
+//
+//   1. preprocess: D = rowsum(dout * out) per query row (dq_accum is zeroed by a memset).
+//   2. dkdv: one CTA per key block (and kv head, batch) keeps K, V in shared memory and dK, dV
+//      in registers, and walks every query block of every query head that reads its kv head:
+//      recompute S = Q K^T and P = exp(S - lse), dP = dO V^T, dS = P (dP - D); then
+//      dV += P^T dO, dK += dS^T Q, and dQ (= dS K) is added into the fp32 dq_accum.
+//   3. convert: dq = scale * dq_accum, rounded to the element type.
+// dq_accum keeps each 64-row query block in the order of the dQ MMA fragments (DqLayout): a
+// warp's atomic add of one fragment element covers 32 consecutive floats, one instruction per
+// element with an immediate offset, where a row-major layout scatters it over 8 rows.
+// v2 runs the key blocks of a head in parallel and adds dQ with fp32 atomics; v1 runs one CTA
+// per (batch, kv head) over all key blocks in turn (FlashAttention-1's order), which owns its
+// rows of dq_accum and adds without atomics.
+#include "tile.cuh"
+#include "v1v2.h"
+
+namespace jax_flash {
+namespace {
+
+using namespace tile;
+
+// dQ of a 64-row query block: 2 x 4 warps of 32 rows x kHeadDim/4 columns. Element
+// i = (m * NT + n) * 4 + e of a thread's fragments lives at dq_accum offset
+// (warp * kPerThread + i) * 32 + lane of the block.
+template <int kHeadDim>
+struct DqLayout {
+  static constexpr int kRows = kBackwardQueryBlock, kThreads = 256;
+  static constexpr int MT = 2, NT = kHeadDim / 32;
+  static constexpr int kPerThread = MT * NT * 4;
+  static constexpr int kBlockFloats = kRows * kHeadDim;
+  __device__ static int row0(int warp) { return (warp / 4) * 32; }
+  __device__ static int col0(int warp) { return (warp % 4) * (kHeadDim / 4); }
+  __device__ static int row(int warp, int i, int lane) {
+    return row0(warp) + c_row(i / (4 * NT), i % 4, lane);
+  }
+  __device__ static int col(int warp, int i, int lane) {
+    return col0(warp) + c_col(i / 4 % NT, i % 4, lane);
+  }
+  // This thread's first element of query block `block` of (b, head).
+  __device__ static float* thread_base(float* dq_accum, const AttentionShape& shape, int b,
+                                       int head, int block, int warp, int lane) {
+    const int64_t blocks = (shape.q_len + kRows - 1) / kRows;
+    return dq_accum + ((b * shape.num_heads + head) * blocks + block) * kBlockFloats +
+           warp * kPerThread * 32 + lane;
+  }
+};
+
+// Tile shape of a dK / dV CTA: keys per CTA, query-side buffers (two overlap the next query
+// block's loads with this one's products).
+template <int kBlockN_, int kStages_>
+struct BwdShape {
+  static constexpr int kBlockN = kBlockN_, kStages = kStages_;
+};
+
+// At 256 the shared memory holds 64 keys and one query-side buffer.
+template <int kHeadDim>
+using BwdDefaultShape = BwdShape<kHeadDim <= 128 ? 128 : 64, kHeadDim <= 128 ? 2 : 1>;
+
+template <int kHeadDim, typename Shape>
+struct BwdLayout {
+  static constexpr int kThreads = 256;                 // 8 warps
+  static constexpr int kBlockM = kBackwardQueryBlock;  // query rows per iteration
+  static constexpr int kBlockN = Shape::kBlockN, kStages = Shape::kStages;
+  // S and dP: 2 x 4 warps of 32 rows x kBlockN/4 keys.
+  static constexpr int MT_S = 2, NT_S = kBlockN / 32;
+  // dK and dV: 4 x 2 warps of kBlockN/4 keys x kHeadDim/2 columns.
+  static constexpr int MT_KV = kBlockN / 64, NT_KV = kHeadDim / 16;
+  using Dq = DqLayout<kHeadDim>;
+  using KVTile = Tile<kBlockN, kHeadDim>;
+  using QTile = Tile<kBlockM, kHeadDim>;
+  using PTile = Tile<kBlockM, kBlockN>;
+  static constexpr int kRowStatsBytes = 2 * kBlockM * 4;  // lse and D of one query block
+  static constexpr int kSmemBytes = 2 * KVTile::kBytes + kStages * 2 * QTile::kBytes +
+                                    2 * PTile::kBytes + kStages * kRowStatsBytes;
+};
+
+// D = rowsum(dout * out) for every (b, t, n) row, one warp per row.
+template <typename T>
+__global__ void __launch_bounds__(256) preprocess_kernel(const __grid_constant__ BackwardArgs args,
+                                                         const BackwardWorkspace ws) {
+  const AttentionShape& shape = args.fwd.shape;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + threadIdx.x / 32;  // (b, t, n)
+  const int lane = threadIdx.x % 32;
+  if (row >= shape.batch * shape.q_len * shape.num_heads) return;
+  const int head_dim = static_cast<int>(shape.head_dim);
+  const int64_t n = row % shape.num_heads, t = row / shape.num_heads % shape.q_len,
+                b = row / (shape.num_heads * shape.q_len);
+  const T* out = static_cast<const T*>(args.fwd.out) + row * head_dim;
+  const T* dout = static_cast<const T*>(args.dout) + row * head_dim;
+  float sum = 0.f;
+  for (int c = lane; c < head_dim / 8; c += 32) {
+    const uint4 o = *reinterpret_cast<const uint4*>(out + c * 8);
+    const uint4 d = *reinterpret_cast<const uint4*>(dout + c * 8);
+    const T* oe = reinterpret_cast<const T*>(&o);
+    const T* de = reinterpret_cast<const T*>(&d);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum += Element<T>::to_float(oe[i]) * Element<T>::to_float(de[i]);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (lane == 0) ws.dsum[(b * shape.num_heads + n) * shape.q_len + t] = sum;
+}
+
+// dq = scale * dq_accum for one 64-row query block of one (b, head): each thread reads its
+// fragment elements (coalesced), the block is reassembled in shared memory and written out in
+// 16-byte rows.
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(256) convert_dq_kernel(const __grid_constant__ BackwardArgs args,
+                                                         const BackwardWorkspace ws) {
+  using Dq = DqLayout<kHeadDim>;
+  using BlockTile = Tile<Dq::kRows, kHeadDim>;
+  __shared__ __align__(16) unsigned char smem[BlockTile::kBytes];
+  const AttentionShape& shape = args.fwd.shape;
+  const int block = blockIdx.x, head = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float* src = Dq::thread_base(ws.dq_accum, shape, b, head, block, warp, lane);
+  const float scale = args.fwd.spec.scale;
+  const BlockTile tile{smem_address(smem)};
+#pragma unroll
+  for (int i = 0; i < Dq::kPerThread; i += 2)  // elements i, i + 1: adjacent columns
+    store_shared_4(tile.at(Dq::row(warp, i, lane), Dq::col(warp, i, lane)),
+                   Element<T>::pack(src[i * 32] * scale, src[(i + 1) * 32] * scale));
+  __syncthreads();
+  const int q_len = static_cast<int>(shape.q_len), head_dim = static_cast<int>(shape.head_dim);
+  const auto dq = HeadRows<T>::of(args.dq, b, q_len, shape.num_heads, head, head_dim);
+  const int r0 = block * Dq::kRows;
+  tile.template store_rows<Dq::kThreads, Dq::kRows>(dq.row(r0), dq.stride, 0, q_len - r0,
+                                                    head_dim / 8, threadIdx.x);
+}
+
+template <typename T, int kHeadDim, typename Shape, bool kGeneral>
+__global__ void __launch_bounds__(256, 1)
+    dkdv_kernel(const __grid_constant__ BackwardArgs args, const BackwardWorkspace ws,
+                bool sequential) {
+  using L = BwdLayout<kHeadDim, Shape>;
+  constexpr int MT_S = L::MT_S, NT_S = L::NT_S, MT_KV = L::MT_KV, NT_KV = L::NT_KV;
+  constexpr int MT_Q = L::Dq::MT, NT_Q = L::Dq::NT;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const ForwardArgs& fwd = args.fwd;
+  const AttentionShape& shape = fwd.shape;
+  const int kv_head = blockIdx.y, b = blockIdx.z;
+  const int group = static_cast<int>(shape.num_heads / shape.num_kv_heads);
+  const int q_len = static_cast<int>(shape.q_len), kv_len = static_cast<int>(shape.kv_len);
+  const int head_dim = static_cast<int>(shape.head_dim), chunks = head_dim / 8;
+  const auto k = HeadRows<const T>::of(fwd.k, b, kv_len, shape.num_kv_heads, kv_head, head_dim);
+  const auto v = HeadRows<const T>::of(fwd.v, b, kv_len, shape.num_kv_heads, kv_head, head_dim);
+  const auto dk = HeadRows<T>::of(args.dk, b, kv_len, shape.num_kv_heads, kv_head, head_dim);
+  const auto dv = HeadRows<T>::of(args.dv, b, kv_len, shape.num_kv_heads, kv_head, head_dim);
+  const Band band = Band::of(fwd, b);
+
+  const typename L::KVTile sK{smem_address(smem)};
+  const typename L::KVTile sV{sK.base + L::KVTile::kBytes};
+  const uint32_t q_side = sV.base + L::KVTile::kBytes;  // per stage: Q tile, dO tile
+  const typename L::PTile sP{q_side + L::kStages * 2 * L::QTile::kBytes};
+  const typename L::PTile sdS{sP.base + L::PTile::kBytes};
+  float* row_stats = reinterpret_cast<float*>(smem + (sdS.base + L::PTile::kBytes - sK.base));
+  const auto q_tile = [&](int stage) { return typename L::QTile{q_side + stage * 2 * L::QTile::kBytes}; };
+  const auto do_tile = [&](int stage) {
+    return typename L::QTile{q_side + (stage * 2 + 1) * L::QTile::kBytes};
+  };
+  const auto stage_lse = [&](int stage) { return row_stats + stage * 2 * L::kBlockM; };
+  const auto stage_dsum = [&](int stage) { return row_stats + (stage * 2 + 1) * L::kBlockM; };
+
+  // Warp tiles of the three products.
+  const int s_r0 = (warp / 4) * 32, s_c0 = (warp % 4) * (L::kBlockN / 4);
+  const int kv_r0 = (warp / 2) * (L::kBlockN / 4), kv_c0 = (warp % 2) * (kHeadDim / 2);
+  const int q_r0 = L::Dq::row0(warp), q_c0 = L::Dq::col0(warp);
+
+  const int num_blocks = sequential ? (kv_len + L::kBlockN - 1) / L::kBlockN : 1;
+  for (int jj = 0; jj < num_blocks; ++jj) {
+    const int c0 = (sequential ? jj : static_cast<int>(blockIdx.x)) * L::kBlockN;
+    const int row_begin = band.row_begin(c0), row_end = band.row_end(c0, c0 + L::kBlockN);
+    const int i_begin = row_begin / L::kBlockM;
+    const int per_head = row_begin < row_end ? (row_end + L::kBlockM - 1) / L::kBlockM - i_begin : 0;
+    const int total = group * per_head;  // iterations: (query head, query block)
+    const auto head_of = [&](int it) { return kv_head * group + it / per_head; };
+    const auto row0_of = [&](int it) { return (i_begin + it % per_head) * L::kBlockM; };
+    // Queues the query-side tiles of iteration `it` into its stage.
+    const auto issue = [&](int it) {
+      const int head = head_of(it), r0 = row0_of(it), stage = it % L::kStages;
+      const auto q = HeadRows<const T>::of(fwd.q, b, q_len, shape.num_heads, head, head_dim);
+      const auto dout = HeadRows<const T>::of(args.dout, b, q_len, shape.num_heads, head, head_dim);
+      q_tile(stage).template load_async<L::kThreads>(q.row(r0), q.stride, q_len - r0, chunks, tid);
+      do_tile(stage).template load_async<L::kThreads>(dout.row(r0), dout.stride, q_len - r0,
+                                                      chunks, tid);
+      const int64_t stats = (static_cast<int64_t>(b) * shape.num_heads + head) * q_len + r0;
+      if (tid < 2 * L::kBlockM) {
+        const int r = tid % L::kBlockM;
+        const float* src = tid < L::kBlockM ? fwd.lse + stats : ws.dsum + stats;
+        float* dst = tid < L::kBlockM ? stage_lse(stage) : stage_dsum(stage);
+        cp_async_4(smem_address(dst + r), src + (r0 + r < q_len ? r : 0), r0 + r < q_len);
+      }
+    };
+
+    if (jj > 0) __syncthreads();  // the previous key block's tiles are consumed
+    float dk_acc[MT_KV][NT_KV][4], dv_acc[MT_KV][NT_KV][4];
+    zero(dk_acc);
+    zero(dv_acc);
+    if (total > 0) {
+      sK.template load_async<L::kThreads>(k.row(c0), k.stride, band.kv_len - c0, chunks, tid);
+      sV.template load_async<L::kThreads>(v.row(c0), v.stride, band.kv_len - c0, chunks, tid);
+      issue(0);
+      cp_async_commit();
+    }
+    for (int it = 0; it < total; ++it) {
+      const int head = head_of(it), r0 = row0_of(it), stage = it % L::kStages;
+      const typename L::QTile sQ = q_tile(stage), sdO = do_tile(stage);
+      cp_async_wait<0>();
+      __syncthreads();  // this stage landed; the previous iteration's P and dS are consumed
+      if (L::kStages > 1 && it + 1 < total) issue(it + 1);
+      cp_async_commit();
+
+      float s[MT_S][NT_S][4], dp[MT_S][NT_S][4];
+      zero(s);
+      zero(dp);
+      warp_gemm<T, MT_S, NT_S, kHeadDim / 16>(
+          s, [&](uint32_t(&a)[MT_S][4], int k0) { load_a(a, sQ, s_r0, k0, lane); },
+          [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_nmajor(bf, sK, k0, s_c0 + n0, lane); });
+      warp_gemm<T, MT_S, NT_S, kHeadDim / 16>(
+          dp, [&](uint32_t(&a)[MT_S][4], int k0) { load_a(a, sdO, s_r0, k0, lane); },
+          [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_nmajor(bf, sV, k0, s_c0 + n0, lane); });
+
+      // P = exp(score - lse) and dS = P (dP - D), in place.
+      const Scores scores(fwd, b, head, band);
+      const int t0 = r0 + s_r0, key0 = c0 + s_c0;
+      const bool check = !scores.all_kept(t0, t0 + 32, key0, key0 + L::kBlockN / 4);
+      const float log2_scale = scores.log2_scale();
+      float* dbias = kGeneral && args.dbias != nullptr
+                         ? args.dbias + (static_cast<int64_t>(b) * shape.num_heads + head) *
+                                            static_cast<int64_t>(q_len) * kv_len
+                         : nullptr;
+#pragma unroll
+      for (int m = 0; m < MT_S; ++m)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = s_r0 + c_row(m, 2 * half, lane);
+          const float lse = stage_lse(stage)[r];
+          const float lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;  // p = 0 on empty rows
+          const float dsum = stage_dsum(stage)[r];
+#pragma unroll
+          for (int n = 0; n < NT_S; ++n)
+#pragma unroll
+            for (int e = 2 * half; e < 2 * half + 2; ++e) {
+              const int t = r0 + r, key = key0 + c_col(n, e, lane);
+              float saturation = 0.f;
+              bool kept;
+              float x2;
+              if (kGeneral) {
+                kept = !check || scores.keeps(t, key);
+                x2 = kept ? scores.log2_score(s[m][n][e], t, key, saturation) : 0.f;
+              } else {
+                kept = !check || band.keeps(t, key);
+                x2 = s[m][n][e] * log2_scale;
+              }
+              const float p = kept ? fast_exp2(x2 - lse2) : 0.f;
+              const float ds = p * (dp[m][n][e] - dsum);
+              if (kGeneral && dbias != nullptr && t < q_len && key < kv_len)
+                dbias[static_cast<int64_t>(t) * kv_len + key] = ds;
+              s[m][n][e] = p;
+              dp[m][n][e] = kGeneral ? ds * (1.f - saturation * saturation) : ds;
+            }
+        }
+      store_c<T>(sP, s, s_r0, s_c0, lane);
+      store_c<T>(sdS, dp, s_r0, s_c0, lane);
+      __syncthreads();
+
+      warp_gemm<T, MT_KV, NT_KV, L::kBlockM / 16>(
+          dv_acc, [&](uint32_t(&a)[MT_KV][4], int k0) { load_a_transposed(a, sP, kv_r0, k0, lane); },
+          [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_kmajor(bf, sdO, k0, kv_c0 + n0, lane); });
+      warp_gemm<T, MT_KV, NT_KV, L::kBlockM / 16>(
+          dk_acc, [&](uint32_t(&a)[MT_KV][4], int k0) { load_a_transposed(a, sdS, kv_r0, k0, lane); },
+          [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_kmajor(bf, sQ, k0, kv_c0 + n0, lane); });
+
+      float dq[MT_Q][NT_Q][4];
+      zero(dq);
+      warp_gemm<T, MT_Q, NT_Q, L::kBlockN / 16>(
+          dq, [&](uint32_t(&a)[MT_Q][4], int k0) { load_a(a, sdS, q_r0, k0, lane); },
+          [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_kmajor(bf, sK, k0, q_c0 + n0, lane); });
+      // Padding rows and columns of the block add zeros: no bounds checks.
+      float* accum = L::Dq::thread_base(ws.dq_accum, shape, b, head, r0 / L::kBlockM, warp, lane);
+      if (sequential) {  // this CTA owns the rows: plain read-modify-write
+#pragma unroll
+        for (int m = 0; m < MT_Q; ++m)
+#pragma unroll
+          for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) accum[((m * NT_Q + n) * 4 + e) * 32] += dq[m][n][e];
+      } else {
+#pragma unroll
+        for (int m = 0; m < MT_Q; ++m)
+#pragma unroll
+          for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) atomicAdd(accum + ((m * NT_Q + n) * 4 + e) * 32, dq[m][n][e]);
+      }
+
+      if (L::kStages == 1 && it + 1 < total) {
+        __syncthreads();  // every warp is done with the only stage
+        issue(it + 1);
+        cp_async_commit();
+      }
+    }
+
+    // dK = scale * dS^T Q; both staged through the K and V tiles for 16-byte stores.
+    const float scale = fwd.spec.scale;
+#pragma unroll
+    for (int m = 0; m < MT_KV; ++m)
+#pragma unroll
+      for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_acc[m][n][e] *= scale;
+    __syncthreads();  // every warp is done reading K and V
+    store_c<T>(sK, dk_acc, kv_r0, kv_c0, lane);
+    store_c<T>(sV, dv_acc, kv_r0, kv_c0, lane);
+    __syncthreads();
+    sK.template store_rows<L::kThreads, L::kBlockN>(dk.row(c0), dk.stride, 0, kv_len - c0, chunks, tid);
+    sV.template store_rows<L::kThreads, L::kBlockN>(dv.row(c0), dv.stride, 0, kv_len - c0, chunks, tid);
+  }
+}
+
+template <typename T, int kHeadDim, typename Shape = BwdDefaultShape<kHeadDim>>
+cudaError_t launch_backward_typed(const BackwardArgs& args, const BackwardWorkspace& ws,
+                                  bool sequential, cudaStream_t stream) {
+  using L = BwdLayout<kHeadDim, Shape>;
+  const AttentionShape& shape = args.fwd.shape;
+  cudaError_t err;
+  if (args.dbias != nullptr) {
+    err = cudaMemsetAsync(args.dbias, 0,
+                          sizeof(float) * shape.batch * shape.num_heads * shape.q_len * shape.kv_len,
+                          stream);
+    if (err != cudaSuccess) return err;
+  }
+  err = cudaMemsetAsync(ws.dq_accum, 0, sizeof(float) * backward_dq_accum_elements(shape), stream);
+  if (err != cudaSuccess) return err;
+  const int64_t rows = shape.batch * shape.q_len * shape.num_heads;
+  if (rows > 0) {
+    preprocess_kernel<T><<<(rows + 7) / 8, 256, 0, stream>>>(args, ws);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  const int64_t key_blocks = (shape.kv_len + L::kBlockN - 1) / L::kBlockN;
+  if (key_blocks > 0) {
+    auto kernel = Scores::general(args.fwd) ? dkdv_kernel<T, kHeadDim, Shape, true>
+                                            : dkdv_kernel<T, kHeadDim, Shape, false>;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmemBytes);
+    if (err != cudaSuccess) return err;
+    const dim3 grid(sequential ? 1 : key_blocks, shape.num_kv_heads, shape.batch);
+    kernel<<<grid, L::kThreads, L::kSmemBytes, stream>>>(args, ws, sequential);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  if (rows > 0) {
+    const dim3 grid((shape.q_len + L::kBlockM - 1) / L::kBlockM, shape.num_heads, shape.batch);
+    convert_dq_kernel<T, kHeadDim><<<grid, DqLayout<kHeadDim>::kThreads, 0, stream>>>(args, ws);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t launch_backward(const BackwardArgs& args, const BackwardWorkspace& ws,
+                            bool sequential, cudaStream_t stream) {
+  const AttentionShape& s = args.fwd.shape;
+  if (s.q_len >= tile::kUnbounded || s.kv_len >= tile::kUnbounded || s.batch > 65535 ||
+      s.num_heads > 65535 || ws.dq_accum == nullptr || ws.dsum == nullptr)
+    return cudaErrorInvalidValue;
+  if (s.batch * s.num_kv_heads == 0) return cudaSuccess;
+  return tile::dispatch_dtype(args.fwd.dtype, [&](auto element) {
+    using T = decltype(element);
+    return dispatch_head_dim_capacity(s.head_dim, [&](auto cap) {
+      return launch_backward_typed<T, decltype(cap)::value>(args, ws, sequential, stream);
+    });
+  });
+}
+
+}  // namespace
+
+cudaError_t launch_v1_backward(const BackwardArgs& args, const BackwardWorkspace& workspace,
+                               cudaStream_t stream) {
+  return launch_backward(args, workspace, /*sequential=*/true, stream);
+}
+
+cudaError_t launch_v2_backward(const BackwardArgs& args, const BackwardWorkspace& workspace,
+                               cudaStream_t stream) {
+  return launch_backward(args, workspace, /*sequential=*/false, stream);
+}
+
+}  // namespace jax_flash

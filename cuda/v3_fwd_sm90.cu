@@ -1,0 +1,1017 @@
+// v3: the Hopper (sm_90a) FlashAttention forward.
+//
+// One CTA per SM, persistent over (m-block, head, batch) tiles, with warp-specialized roles:
+//
+//   warpgroup 0      producer: one thread issues TMA loads of the Q tile and of K / V tiles into
+//                    a kStages-deep shared-memory ring; every buffer has a "full" mbarrier (TMA
+//                    transaction bytes) and an "empty" mbarrier (consumers are done reading).
+//   warpgroups 1..W  consumers: each owns 64 rows of the kBlockM-row Q tile. S = Q K^T runs as
+//                    wgmma with both operands in shared memory; O += P V as wgmma with P from
+//                    registers (the fp32 accumulator layout of S is the register A layout of the
+//                    PV product, so P needs no shuffles) and V read transposed from shared memory.
+//
+// Overlap, as in FlashAttention-3:
+//   * intra-warpgroup: block j's S GEMM and block j+1's PV GEMM are issued back to back; the
+//     softmax of S_j runs while the tensor cores still work on PV_{j+1}.
+//   * inter-warpgroup ("pingpong"): a ring of named barriers lets one consumer warpgroup issue
+//     its GEMMs at a time, so one warpgroup's softmax overlaps the other's GEMMs.
+//   * setmaxnreg moves registers from the producer (which needs few) to the consumers.
+//   * tiles are ordered longest-first (descending m-block, for causal) inside groups of heads
+//     whose K / V fit in L2; CTA i takes tiles i, i + grid, ...
+//
+// Shared memory tiles are 64-column slabs of 128-byte rows in the 128-byte swizzle that TMA
+// writes and wgmma reads (slab c of a tile with R rows starts at c * R * 128 bytes). K-major
+// operands (Q, K) step 16 columns by adding 32 bytes to the descriptor start address; the
+// MN-major V (the B operand of PV) steps 16 rows by 2048 bytes, with slabs LBO bytes apart.
+//
+// Semantics are those of docs/architecture.md, minus the bias and mask tensors (refused here,
+// served by v2): scale, softcap, top-left causal, sliding window, q / kv sequence lengths, GQA.
+// Rows with no kept key get out = 0 and lse = -inf.
+#include "v3.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <type_traits>
+#include <utility>
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/arch/mma_sm90_gmma_ext.hpp>  // the n = 80 shape of head dim 256
+
+namespace jax_flash {
+namespace {
+
+namespace gmma = cute::SM90::GMMA;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+// Conditional rescaling keeps a stale row max while the true one exceeds it by at most this
+// much (log2 units), so P <= 2^8.
+constexpr float kRescaleThreshold = 8.f;
+
+// ------------------------------------------------------------------------------------------
+// Tile configuration
+// ------------------------------------------------------------------------------------------
+
+template <typename Element_, int kHeadDim_, int kBlockN_, int kConsumerWarpgroups_,
+          bool kConditionalRescale_, int kExp2EmulationPeriod_>
+struct Config {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kConsumerWarpgroups = kConsumerWarpgroups_;
+  static constexpr int kBlockM = 64 * kConsumerWarpgroups;
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
+  static constexpr bool kConditionalRescale = kConditionalRescale_;
+  static constexpr int kExp2EmulationPeriod = kExp2EmulationPeriod_;
+
+  // After setmaxnreg the CTA's 64K registers are split between the producer and consumers.
+  static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? 24 : 32;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
+  static_assert(128 * kProducerRegisters + 128 * kConsumerWarpgroups * kConsumerRegisters <=
+                65536);
+
+  static constexpr int kSlabs = kHeadDim / 64;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V stage
+  static constexpr int kKOffset = kQBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kKVBytes;
+  static constexpr int kBarrierOffset = kVOffset + kStages * kKVBytes;
+  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages);
+  static constexpr int kSmemBytes = kBarrierOffset + kBarrierBytes + 1024;  // + base alignment
+  static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
+};
+
+// The mbarriers, in order, at kBarrierOffset.
+struct BarrierAddresses {
+  uint32_t q_full, q_empty, k_full, k_empty, v_full, v_empty;  // k_* / v_*: stage 0
+  template <class Cfg>
+  __device__ static BarrierAddresses at(uint32_t base) {
+    constexpr int s = Cfg::kStages;
+    return {base, base + 8, base + 16, base + 16 + 8 * s, base + 16 + 16 * s,
+            base + 16 + 24 * s};
+  }
+};
+
+// Everything the kernel reads besides shared memory. Passed as a __grid_constant__ parameter,
+// so the tensor maps stay in parameter space where TMA can read them.
+struct Params {
+  CUtensorMap tma_q, tma_k, tma_v;
+  void* out;
+  float* lse;
+  const int32_t* q_seqlens;   // may be null: all T rows valid
+  const int32_t* kv_seqlens;  // may be null: all S keys valid
+  int batch, q_len, kv_len, num_heads, heads_per_kv;
+  float scale_log2;   // exponent scale (log2 units) applied to the possibly capped score
+  float softcap;      // 0 = off
+  float softcap_inv;  // scale / softcap
+  int window_left;    // -1 = unbounded
+  int window_right;   // causal folded in; -1 = unbounded
+  int num_m_blocks;
+  bool pair_m_blocks;  // a work unit is two m-blocks (see decode_tile)
+  int units_per_head, heads_per_group, num_units;
+};
+
+// ------------------------------------------------------------------------------------------
+// PTX wrappers: mbarrier, TMA, wgmma bookkeeping, named barriers, setmaxnreg
+// ------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Returns once the phase with the given parity has completed. A fresh barrier is in phase 0,
+// so waiting for parity 1 returns at once: that is how "empty" buffers start out free.
+// Built with -DJAX_FLASH_V3_HANG_TRAP (debugging only), a wait that spins for seconds reports
+// the barrier and traps instead of hanging the device.
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+#ifdef JAX_FLASH_V3_HANG_TRAP
+  uint64_t spins = 0;
+#endif
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+#ifdef JAX_FLASH_V3_HANG_TRAP
+    if (++spins == (1ull << 27)) {
+      printf("v3 hang: block %d thread %d barrier smem+0x%x parity %u\n", blockIdx.x,
+             threadIdx.x, bar & 0xFFFFF, parity);
+      __trap();
+    }
+#endif
+  } while (!done);
+}
+
+// Loads a box of 64 columns x `rows` rows (one slab) for each 64-column slab of the head dim.
+template <int kSlabs, int kRows>
+__device__ __forceinline__ void tma_load_tile(const CUtensorMap* map, uint32_t dst, uint32_t bar,
+                                              int row, int head, int batch) {
+  const uint64_t desc = reinterpret_cast<uint64_t>(map);
+#pragma unroll
+  for (int c = 0; c < kSlabs; ++c) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(dst + c * kRows * 128),
+        "l"(desc), "r"(c * 64), "r"(row), "r"(head), "r"(batch), "r"(bar)
+        : "memory");
+  }
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
+// Ties register arrays to the surrounding asm order, so that no read of an accumulator moves
+// above the wgmma_wait that completes it.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int kRegisters>
+__device__ __forceinline__ void grow_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegisters));
+}
+template <int kRegisters>
+__device__ __forceinline__ void shrink_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegisters));
+}
+
+__device__ __forceinline__ float exp2_mufu(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float tanh_mufu(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 2^x on the FMA pipe: x = j + f with j = round(x), |f| <= 1/2; 2^f by a degree-3 polynomial
+// (relative error 1.0e-4, below bf16 / fp16 rounding of P); j added to the exponent bits. The
+// clamp keeps the exponent field positive; a masked (-inf) element becomes ~2^-125, which
+// changes no sum visibly (rows with no kept key are recognised by their -inf max instead).
+__device__ __forceinline__ float exp2_fma(float x) {
+  x = fmaxf(x, -125.f);
+  const float shifted = x + 12582912.f;  // 1.5 * 2^23: the integer part lands in the low bits
+  const float f = x - (shifted - 12582912.f);
+  float p = fmaf(0.05500893f, f, 0.242211f);
+  p = fmaf(p, f, 0.6932829f);
+  p = fmaf(p, f, 1.f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
+}
+
+// ------------------------------------------------------------------------------------------
+// wgmma descriptors and the GEMMs of one consumer warpgroup
+// ------------------------------------------------------------------------------------------
+
+// 128-byte-swizzled K-major operand: 8-row groups 1024 bytes apart (SBO), LBO unused (1).
+__device__ __forceinline__ uint64_t kmajor_descriptor(uint32_t address) {
+  return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+
+// 128-byte-swizzled MN-major operand: 64-column slabs `slab_bytes` apart (LBO), 8-row groups
+// along K 1024 bytes apart (SBO).
+__device__ __forceinline__ uint64_t mnmajor_descriptor(uint32_t address, uint32_t slab_bytes) {
+  return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t(slab_bytes >> 4) << 16) |
+         (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// The CUTLASS wgmma instruction wrappers for an m64nNk16 product with fp32 accumulators:
+// SS reads A and B from shared memory (both K-major), RS reads A from registers and B
+// MN-major from shared memory.
+template <typename Element, int N>
+struct Gmma;
+#define JAX_FLASH_V3_GMMA(ELEMENT, TAG, N)                                                 \
+  template <>                                                                              \
+  struct Gmma<ELEMENT, N> {                                                                \
+    using SS = gmma::MMA_64x##N##x16_F32##TAG##TAG##_SS<gmma::Major::K, gmma::Major::K>;  \
+    using RS = gmma::MMA_64x##N##x16_F32##TAG##TAG##_RS<gmma::Major::K, gmma::Major::MN>; \
+  };
+#define JAX_FLASH_V3_GMMA_WIDTHS(ELEMENT, TAG) \
+  JAX_FLASH_V3_GMMA(ELEMENT, TAG, 64)          \
+  JAX_FLASH_V3_GMMA(ELEMENT, TAG, 80)          \
+  JAX_FLASH_V3_GMMA(ELEMENT, TAG, 128)         \
+  JAX_FLASH_V3_GMMA(ELEMENT, TAG, 176)         \
+  JAX_FLASH_V3_GMMA(ELEMENT, TAG, 256)
+JAX_FLASH_V3_GMMA_WIDTHS(__nv_bfloat16, BF16)
+JAX_FLASH_V3_GMMA_WIDTHS(__half, F16)
+#undef JAX_FLASH_V3_GMMA_WIDTHS
+#undef JAX_FLASH_V3_GMMA
+
+template <class Op, int N, size_t... I>
+__device__ __forceinline__ void gmma_ss(uint64_t a, uint64_t b, float (&d)[N],
+                                        gmma::ScaleOut scale_d, std::index_sequence<I...>) {
+  Op::fma(a, b, d[I]..., scale_d);
+}
+
+template <class Op, int N, size_t... I>
+__device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t b, float (&d)[N],
+                                        std::index_sequence<I...>) {
+  Op::fma(a[0], a[1], a[2], a[3], b, d[I]..., gmma::ScaleOut::One);
+}
+
+// s = Q_w K^T for this warpgroup's 64 rows (q_rows: address of row 0 of the warpgroup in slab 0).
+template <class Cfg>
+__device__ __forceinline__ void issue_qk(uint32_t q_rows, uint32_t k_tile,
+                                         float (&s)[Cfg::kBlockN / 2]) {
+  using Op = typename Gmma<typename Cfg::Element, Cfg::kBlockN>::SS;
+  constexpr auto idx = std::make_index_sequence<Cfg::kBlockN / 2>{};
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+    const uint32_t slab = kk / 4, column_bytes = (kk % 4) * 32;
+    const uint64_t a = kmajor_descriptor(q_rows + slab * Cfg::kBlockM * 128 + column_bytes);
+    const uint64_t b = kmajor_descriptor(k_tile + slab * Cfg::kBlockN * 128 + column_bytes);
+    gmma_ss<Op>(a, b, s, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
+  }
+}
+
+// o += P V with P in registers (the A fragments of 16-column steps) and V MN-major.
+template <class Cfg>
+__device__ __forceinline__ void issue_pv(const uint32_t (&p)[Cfg::kBlockN / 16][4],
+                                         uint32_t v_tile, float (&o)[Cfg::kHeadDim / 2]) {
+  using Op = typename Gmma<typename Cfg::Element, Cfg::kHeadDim>::RS;
+  constexpr auto idx = std::make_index_sequence<Cfg::kHeadDim / 2>{};
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+    const uint64_t b = mnmajor_descriptor(v_tile + kk * 16 * 128, Cfg::kBlockN * 128);
+    gmma_rs<Op>(p[kk], b, o, idx);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Tiles: which (batch, head, m-block) a tile index is, and which key blocks it visits
+// ------------------------------------------------------------------------------------------
+
+struct Tile {
+  int batch, head, m_block;
+  int q_rows;   // valid query rows of this batch (q_seqlens)
+  int kv_cols;  // valid keys of this batch (kv_seqlens)
+  int n_min, n_max;  // key blocks [n_min, n_max) hold every kept key of the tile's rows
+  __device__ bool empty() const { return n_max <= n_min; }
+};
+
+// Work units: CTA i runs units i, i + grid, ... A unit is one tile or, when the cost of a tile
+// grows with its m-block (causal without a left window), the pair of m-blocks {last - k, k},
+// so that every unit costs the same and the static assignment balances. Units come in groups
+// of heads_per_group (batch, head) pairs whose K / V fit in L2; inside a group the longest
+// m-blocks come first, heads innermost. Returns false when the unit has no `second` tile.
+template <class Cfg>
+__device__ bool decode_tile(const Params& p, int unit, bool second, Tile& t) {
+  const int per_group = p.units_per_head * p.heads_per_group;
+  const int group = unit / per_group;
+  const int in_group = unit - group * per_group;
+  const int first_bh = group * p.heads_per_group;
+  const int heads = min(p.heads_per_group, p.batch * p.num_heads - first_bh);
+  const int order = in_group / heads;
+  const int bh = first_bh + (in_group - order * heads);
+  const int first_m_block = p.num_m_blocks - 1 - order;
+  if (second && (!p.pair_m_blocks || order >= first_m_block)) return false;
+
+  t.batch = bh / p.num_heads;
+  t.head = bh - t.batch * p.num_heads;
+  t.m_block = second ? order : first_m_block;
+  t.q_rows = p.q_seqlens ? max(0, min(p.q_seqlens[t.batch], p.q_len)) : p.q_len;
+  t.kv_cols = p.kv_seqlens ? max(0, min(p.kv_seqlens[t.batch], p.kv_len)) : p.kv_len;
+
+  const int row_lo = t.m_block * Cfg::kBlockM;
+  const int row_hi = min(row_lo + Cfg::kBlockM, t.q_rows) - 1;
+  int col_hi = t.kv_cols - 1;
+  if (p.window_right >= 0) col_hi = min(col_hi, row_hi + p.window_right);
+  const int col_lo = p.window_left >= 0 ? max(0, row_lo - p.window_left) : 0;
+  if (row_hi < row_lo || col_hi < col_lo) {
+    t.n_min = t.n_max = 0;
+  } else {
+    t.n_min = col_lo / Cfg::kBlockN;
+    t.n_max = col_hi / Cfg::kBlockN + 1;
+  }
+  return true;
+}
+
+// ------------------------------------------------------------------------------------------
+// Producer: one thread streams Q, then K_j and V_j for j from the last key block down
+// ------------------------------------------------------------------------------------------
+
+// Streams one tile's K_j, V_j (j from the last key block down) and, with its first K, the Q.
+template <class Cfg>
+__device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uint32_t smem,
+                                             const BarrierAddresses& bars, int& block_count,
+                                             uint32_t& q_phase) {
+  const int kv_head = t.head / p.heads_per_kv;
+  for (int nb = t.n_max - 1; nb >= t.n_min; --nb, ++block_count) {
+    const int stage = block_count % Cfg::kStages;
+    const uint32_t phase = (block_count / Cfg::kStages) & 1;
+    const uint32_t k_dst = smem + Cfg::kKOffset + stage * Cfg::kKVBytes;
+    const uint32_t v_dst = smem + Cfg::kVOffset + stage * Cfg::kKVBytes;
+
+    mbarrier_wait(bars.k_empty + 8 * stage, phase ^ 1);
+    mbarrier_arrive_expect_tx(bars.k_full + 8 * stage, Cfg::kKVBytes);
+    tma_load_tile<Cfg::kSlabs, Cfg::kBlockN>(&p.tma_k, k_dst, bars.k_full + 8 * stage,
+                                             nb * Cfg::kBlockN, kv_head, t.batch);
+    if (nb == t.n_max - 1) {  // the tile's Q, once both warpgroups released the last one
+      mbarrier_wait(bars.q_empty, q_phase ^ 1);
+      mbarrier_arrive_expect_tx(bars.q_full, Cfg::kQBytes);
+      tma_load_tile<Cfg::kSlabs, Cfg::kBlockM>(&p.tma_q, smem, bars.q_full,
+                                               t.m_block * Cfg::kBlockM, t.head, t.batch);
+      q_phase ^= 1;
+    }
+    mbarrier_wait(bars.v_empty + 8 * stage, phase ^ 1);
+    mbarrier_arrive_expect_tx(bars.v_full + 8 * stage, Cfg::kKVBytes);
+    tma_load_tile<Cfg::kSlabs, Cfg::kBlockN>(&p.tma_v, v_dst, bars.v_full + 8 * stage,
+                                             nb * Cfg::kBlockN, kv_head, t.batch);
+  }
+}
+
+template <class Cfg>
+__device__ void run_producer(const Params& p, uint32_t smem, BarrierAddresses bars) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_q)));
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_k)));
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_v)));
+  int block_count = 0;  // key blocks loaded so far, over all tiles: selects stage and phase
+  uint32_t q_phase = 0;
+  for (int unit = blockIdx.x; unit < p.num_units; unit += gridDim.x) {
+    for (int second = 0; second < 2; ++second) {
+      Tile t;
+      if (!decode_tile<Cfg>(p, unit, second, t)) break;
+      if (!t.empty()) produce_tile<Cfg>(p, t, smem, bars, block_count, q_phase);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Consumer: scores, online softmax, output
+// ------------------------------------------------------------------------------------------
+
+// Where this thread's accumulator elements sit. Element i of an m64nN accumulator holds row
+// row0 + 8 * ((i / 2) % 2) and column 8 * (i / 4) + col0 + i % 2 (the wgmma D layout).
+struct Lane {
+  int row0;  // row within the warpgroup's 64
+  int col0;  // column within an 8-column chunk
+  __device__ static Lane of(int thread_in_warpgroup) {
+    const int warp = thread_in_warpgroup / 32, lane = thread_in_warpgroup % 32;
+    return {16 * warp + lane / 4, 2 * (lane % 4)};
+  }
+};
+
+// softcap, then -inf outside the kept set. `row` / `col`: absolute position of element 0.
+template <class Cfg>
+__device__ __forceinline__ void shape_scores(float (&s)[Cfg::kBlockN / 2], const Params& p,
+                                             const Tile& t, int row, int col, bool masked) {
+  if (p.softcap > 0.f) {
+#pragma unroll
+    for (int i = 0; i < Cfg::kBlockN / 2; ++i) s[i] = p.softcap * tanh_mufu(s[i] * p.softcap_inv);
+  }
+  if (!masked) return;
+  // Each row keeps one interval of columns [lo, hi] (empty past the valid query rows).
+  int lo[2], hi[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q = row + 8 * r;
+    hi[r] = t.kv_cols - 1;
+    if (p.window_right >= 0) hi[r] = min(hi[r], q + p.window_right);
+    if (q >= t.q_rows) hi[r] = -1;
+    lo[r] = p.window_left >= 0 ? q - p.window_left : 0;
+  }
+#pragma unroll
+  for (int i = 0; i < Cfg::kBlockN / 2; ++i) {
+    const int r = (i / 2) % 2;
+    const int c = col + 8 * (i / 4) + i % 2;
+    s[i] = (c >= lo[r]) & (c <= hi[r]) ? s[i] : -INFINITY;
+  }
+}
+
+// Whether any element of this warpgroup's 64 rows x key block nb may be outside the kept set.
+template <class Cfg>
+__device__ __forceinline__ bool block_needs_mask(const Params& p, const Tile& t, int row_lo,
+                                                 int nb) {
+  const int row_hi = row_lo + 63;
+  const int col_lo = nb * Cfg::kBlockN, col_hi = col_lo + Cfg::kBlockN - 1;
+  return col_hi >= t.kv_cols || row_hi >= t.q_rows ||
+         (p.window_right >= 0 && col_hi > row_lo + p.window_right) ||
+         (p.window_left >= 0 && col_lo < row_hi - p.window_left);
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// Running statistics of this thread's two rows: max of the raw (capped) scores and the sum
+// of exp2((s - max) * scale_log2) over this thread's columns (the quad sums them at the end).
+struct RowStats {
+  float max[2];
+  float sum[2];
+};
+
+// Turns the scores of one key block into unnormalized probabilities in place and updates the
+// row statistics. Returns in o_scale the factor the accumulated O (and sum) must be multiplied
+// by: exp2 of the max's change, or exactly 1 when the max is kept.
+template <class Cfg, bool kFirstBlock>
+__device__ __forceinline__ void online_softmax(float (&s)[Cfg::kBlockN / 2], RowStats& st,
+                                               float scale_log2, float (&o_scale)[2]) {
+  float block_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int i = 0; i < Cfg::kBlockN / 2; ++i) {
+    block_max[(i / 2) % 2] = fmaxf(block_max[(i / 2) % 2], s[i]);
+  }
+  float max_scaled[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    block_max[r] = quad_max(block_max[r]);
+    float new_max;
+    if (kFirstBlock) {
+      new_max = block_max[r];
+    } else if (Cfg::kConditionalRescale) {
+      // NaN (both -inf) compares false: nothing kept yet, nothing to rescale.
+      const bool grows = (block_max[r] - st.max[r]) * scale_log2 > kRescaleThreshold;
+      new_max = grows ? block_max[r] : st.max[r];
+    } else {
+      new_max = fmaxf(st.max[r], block_max[r]);
+    }
+    o_scale[r] = (kFirstBlock || new_max == -INFINITY)
+                     ? 1.f
+                     : exp2_mufu((st.max[r] - new_max) * scale_log2);
+    st.max[r] = new_max;
+    // A row with nothing kept yet exponentiates -inf - 0 = -inf: probabilities 0, not NaN.
+    max_scaled[r] = new_max == -INFINITY ? 0.f : new_max * scale_log2;
+  }
+  float block_sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < Cfg::kBlockN / 2; ++i) {
+    const int r = (i / 2) % 2;
+    const float x = fmaf(s[i], scale_log2, -max_scaled[r]);
+    constexpr int period = Cfg::kExp2EmulationPeriod;
+    const bool on_fma = period > 0 && (i / 4) % (period > 0 ? period : 1) == period - 1;
+    s[i] = on_fma ? exp2_fma(x) : exp2_mufu(x);
+    block_sum[r] += s[i];
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    st.sum[r] = kFirstBlock ? block_sum[r] : fmaf(st.sum[r], o_scale[r], block_sum[r]);
+  }
+}
+
+template <class Cfg>
+__device__ __forceinline__ void rescale_output(float (&o)[Cfg::kHeadDim / 2],
+                                               const float (&o_scale)[2]) {
+  // With conditional rescaling most blocks keep every max: skip the multiplies warp-wide.
+  if (Cfg::kConditionalRescale &&
+      !__any_sync(0xffffffff, o_scale[0] != 1.f || o_scale[1] != 1.f)) {
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < Cfg::kHeadDim / 2; ++i) o[i] *= o_scale[(i / 2) % 2];
+}
+
+template <typename Element>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The probabilities of 16 key columns form one A fragment: registers (row, cols 2q..2q+1),
+// (row+8, same), (row, cols 8+2q..), (row+8, ...), i.e. consecutive accumulator pairs.
+template <class Cfg>
+__device__ __forceinline__ void probabilities_to_fragments(const float (&s)[Cfg::kBlockN / 2],
+                                                           uint32_t (&p)[Cfg::kBlockN / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      p[kk][j] = pack2<typename Cfg::Element>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+}
+
+// out = o / sum and lse for this thread's two rows; out rows past q_len are not stored.
+template <class Cfg>
+__device__ __forceinline__ void store_output(const Params& p, const Tile& t, int row,
+                                             int col0, const float (&o)[Cfg::kHeadDim / 2],
+                                             const RowStats& st, bool writes_lse) {
+  using Element = typename Cfg::Element;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q = row + 8 * r;
+    const float sum = quad_sum(st.sum[r]);
+    const bool none_kept = st.max[r] == -INFINITY;
+    const float inv_sum = none_kept ? 0.f : 1.f / sum;
+    if (q >= p.q_len) continue;
+    const int64_t bnt = (int64_t(t.batch) * p.num_heads + t.head) * p.q_len + q;
+    if (writes_lse) {
+      p.lse[bnt] = none_kept ? -INFINITY : (st.max[r] * p.scale_log2 + __log2f(sum)) * kLn2;
+    }
+    Element* out_row = static_cast<Element*>(p.out) +
+                       ((int64_t(t.batch) * p.q_len + q) * p.num_heads + t.head) * Cfg::kHeadDim;
+#pragma unroll
+    for (int c = 0; c < Cfg::kHeadDim / 8; ++c) {
+      *reinterpret_cast<uint32_t*>(out_row + 8 * c + col0) =
+          pack2<Element>(o[4 * c + 2 * r] * inv_sum, o[4 * c + 2 * r + 1] * inv_sum);
+    }
+  }
+}
+
+// Named barrier ids 1..W: barrier w lets consumer warpgroup w issue its GEMMs next.
+__device__ __forceinline__ int scheduler_barrier(int warpgroup) { return 1 + warpgroup; }
+
+// What one consumer warpgroup keeps across tiles: its place in the CTA and in the pipelines.
+struct ConsumerState {
+  int warpgroup;
+  bool warp_leader;  // arrives on "empty" barriers for its warp
+  Lane lane;
+  int my_barrier, next_barrier;  // pingpong: wait for my turn, then pass it on
+  uint32_t q_rows;               // shared address of this warpgroup's first Q row (slab 0)
+  int block_count;               // key blocks consumed so far: selects stage and phase
+  uint32_t q_phase;
+};
+
+// One tile: S = Q K^T, online softmax and O += P V over its key blocks (last first), then the
+// output. o / s / pa are the warpgroup's register tiles.
+template <class Cfg>
+__device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uint32_t smem,
+                                             const BarrierAddresses& bars, ConsumerState& c,
+                                             float (&o)[Cfg::kHeadDim / 2],
+                                             float (&s)[Cfg::kBlockN / 2],
+                                             uint32_t (&pa)[Cfg::kBlockN / 16][4]) {
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kStages = Cfg::kStages;
+  const int row_lo = t.m_block * Cfg::kBlockM + c.warpgroup * 64;  // this warpgroup's rows
+  const int row = row_lo + c.lane.row0;
+  RowStats st = {{-INFINITY, -INFINITY}, {0.f, 0.f}};
+#pragma unroll
+  for (int i = 0; i < Cfg::kHeadDim / 2; ++i) o[i] = 0.f;
+
+  if (!t.empty()) {
+    mbarrier_wait(bars.q_full, c.q_phase);
+    c.q_phase ^= 1;
+    float o_scale[2];
+    // First key block: scores and softmax only.
+    {
+      const int nb = t.n_max - 1;
+      const int stage = c.block_count % kStages;
+      mbarrier_wait(bars.k_full + 8 * stage, (c.block_count / kStages) & 1);
+      named_barrier_sync(c.my_barrier, 256);
+      wgmma_fence();
+      issue_qk<Cfg>(c.q_rows, smem + Cfg::kKOffset + stage * Cfg::kKVBytes, s);
+      wgmma_commit();
+      named_barrier_arrive(c.next_barrier, 256);
+      wgmma_wait<0>();
+      fence_registers(s);
+      if (c.warp_leader) {
+        mbarrier_arrive(bars.k_empty + 8 * stage);
+        if (nb == t.n_min) mbarrier_arrive(bars.q_empty);
+      }
+      shape_scores<Cfg>(s, p, t, row, nb * kBlockN + c.lane.col0,
+                        block_needs_mask<Cfg>(p, t, row_lo, nb));
+      online_softmax<Cfg, true>(s, st, p.scale_log2, o_scale);
+      probabilities_to_fragments<Cfg>(s, pa);
+      ++c.block_count;
+    }
+    // Steady state: S_j and PV_{j+1} in flight together; softmax(S_j) overlaps PV_{j+1}.
+    for (int nb = t.n_max - 2; nb >= t.n_min; --nb, ++c.block_count) {
+      const int stage = c.block_count % kStages;
+      const int prev = (c.block_count - 1) % kStages;
+      mbarrier_wait(bars.k_full + 8 * stage, (c.block_count / kStages) & 1);
+      mbarrier_wait(bars.v_full + 8 * prev, ((c.block_count - 1) / kStages) & 1);
+      named_barrier_sync(c.my_barrier, 256);
+      wgmma_fence();
+      issue_qk<Cfg>(c.q_rows, smem + Cfg::kKOffset + stage * Cfg::kKVBytes, s);
+      wgmma_commit();
+      issue_pv<Cfg>(pa, smem + Cfg::kVOffset + prev * Cfg::kKVBytes, o);
+      wgmma_commit();
+      named_barrier_arrive(c.next_barrier, 256);
+
+      wgmma_wait<1>();  // S_j done, PV_{j+1} may still run
+      fence_registers(s);
+      if (c.warp_leader) {
+        mbarrier_arrive(bars.k_empty + 8 * stage);
+        if (nb == t.n_min) mbarrier_arrive(bars.q_empty);
+      }
+      shape_scores<Cfg>(s, p, t, row, nb * kBlockN + c.lane.col0,
+                        block_needs_mask<Cfg>(p, t, row_lo, nb));
+      online_softmax<Cfg, false>(s, st, p.scale_log2, o_scale);
+
+      wgmma_wait<0>();  // PV_{j+1} done: O and the old fragments are free
+      fence_registers(o);
+      fence_registers(pa);
+      if (c.warp_leader) mbarrier_arrive(bars.v_empty + 8 * prev);
+      rescale_output<Cfg>(o, o_scale);
+      probabilities_to_fragments<Cfg>(s, pa);
+    }
+    // Last PV.
+    {
+      const int prev = (c.block_count - 1) % kStages;
+      mbarrier_wait(bars.v_full + 8 * prev, ((c.block_count - 1) / kStages) & 1);
+      named_barrier_sync(c.my_barrier, 256);
+      wgmma_fence();
+      issue_pv<Cfg>(pa, smem + Cfg::kVOffset + prev * Cfg::kKVBytes, o);
+      wgmma_commit();
+      named_barrier_arrive(c.next_barrier, 256);
+      wgmma_wait<0>();
+      fence_registers(o);
+      fence_registers(pa);
+      if (c.warp_leader) mbarrier_arrive(bars.v_empty + 8 * prev);
+    }
+  }
+  store_output<Cfg>(p, t, row, c.lane.col0, o, st, c.lane.col0 == 0);
+}
+
+template <class Cfg>
+__device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses bars,
+                             int warpgroup) {
+  constexpr int W = Cfg::kConsumerWarpgroups;
+  const int thread = threadIdx.x % 128;
+  ConsumerState c;
+  c.warpgroup = warpgroup;
+  c.warp_leader = thread % 32 == 0;
+  c.lane = Lane::of(thread);
+  c.my_barrier = scheduler_barrier(warpgroup);
+  c.next_barrier = scheduler_barrier((warpgroup + 1) % W);
+  c.q_rows = smem + warpgroup * 64 * 128;
+  c.block_count = 0;
+  c.q_phase = 0;
+
+  // The first warpgroup goes first.
+  if (warpgroup == W - 1) named_barrier_arrive(scheduler_barrier(0), 256);
+
+  float o[Cfg::kHeadDim / 2];
+  float s[Cfg::kBlockN / 2];
+  uint32_t pa[Cfg::kBlockN / 16][4];
+  for (int unit = blockIdx.x; unit < p.num_units; unit += gridDim.x) {
+    for (int second = 0; second < 2; ++second) {
+      Tile t;
+      if (!decode_tile<Cfg>(p, unit, second, t)) break;
+      consume_tile<Cfg>(p, t, smem, bars, c, o, s, pa);
+    }
+  }
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __grid_constant__ Params p) {
+  extern __shared__ uint8_t smem_raw[];
+  // TMA's 128-byte swizzle and the wgmma descriptors assume 1024-byte-aligned tiles.
+  const uint32_t smem = (smem_address(smem_raw) + 1023) & ~1023u;
+  const BarrierAddresses bars = BarrierAddresses::at<Cfg>(smem + Cfg::kBarrierOffset);
+  constexpr uint32_t kEmptyArrivals = 4 * Cfg::kConsumerWarpgroups;  // one per consumer warp
+  if (threadIdx.x == 0) {
+    mbarrier_init(bars.q_full, 1);
+    mbarrier_init(bars.q_empty, kEmptyArrivals);
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      mbarrier_init(bars.k_full + 8 * s, 1);
+      mbarrier_init(bars.k_empty + 8 * s, kEmptyArrivals);
+      mbarrier_init(bars.v_full + 8 * s, 1);
+      mbarrier_init(bars.v_empty + 8 * s, kEmptyArrivals);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    shrink_registers<Cfg::kProducerRegisters>();
+    if (threadIdx.x == 0) run_producer<Cfg>(p, smem, bars);
+  } else {
+    grow_registers<Cfg::kConsumerRegisters>();
+    run_consumer<Cfg>(p, smem, bars, warpgroup - 1);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Host side
+// ------------------------------------------------------------------------------------------
+
+// Tile shapes per head dim (FlashAttention-3's choices where they fit this kernel's layout).
+// JAX_FLASH_V3_ALT_TILES (experiment builds only) swaps in the alternatives being measured.
+template <typename Element, int kHeadDim, bool kConditionalRescale, int kExp2EmulationPeriod>
+struct ConfigFor;
+template <typename Element, bool R, int E>
+struct ConfigFor<Element, 64, R, E> {
+#ifdef JAX_FLASH_V3_ALT_TILES
+  using type = Config<Element, 64, 128, 3, R, E>;
+#else
+  using type = Config<Element, 64, 128, 2, R, E>;
+#endif
+};
+template <typename Element, bool R, int E>
+struct ConfigFor<Element, 128, R, E> {
+#ifdef JAX_FLASH_V3_ALT_TILES
+  using type = Config<Element, 128, 176, 2, R, E>;
+#else
+  using type = Config<Element, 128, 128, 2, R, E>;
+#endif
+};
+template <typename Element, bool R, int E>
+struct ConfigFor<Element, 256, R, E> {
+  using type = Config<Element, 256, 80, 2, R, E>;
+};
+
+// The switches the library runs per head dim (measured in docs/perf-notes-v3.md).
+template <int kHeadDim>
+struct DefaultTuning {
+  static constexpr bool kConditionalRescale = kHeadDim != 64;
+  static constexpr int kExp2EmulationPeriod = 0;
+  static V3Tuning value() { return {kConditionalRescale, kExp2EmulationPeriod}; }
+};
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &status) == cudaSuccess &&
+        status == cudaDriverEntryPointSuccess) {
+      encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }
+  });
+  return encode;
+}
+
+// A [batch, rows, heads, head_dim] row-major tensor read in boxes of 64 columns x box_rows rows
+// of one head, 128-byte swizzled; rows past the end read as zeros.
+bool encode_tensor_map(CUtensorMap* map, const void* data, DType dtype, int64_t batch,
+                       int64_t rows, int64_t heads, int64_t head_dim, int box_rows) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(rows), cuuint64_t(heads),
+                              cuuint64_t(batch)};
+  const cuuint64_t strides[3] = {cuuint64_t(heads * head_dim * 2), cuuint64_t(head_dim * 2),
+                                 cuuint64_t(rows * heads * head_dim * 2)};
+  const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encode(
+      map,
+      dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      4, const_cast<void*>(data), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
+struct DeviceInfo {
+  int sm_count = 0;
+  int major = 0;
+  int minor = 0;
+};
+
+cudaError_t current_device_info(DeviceInfo* info) {
+  int device;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if ((err = cudaDeviceGetAttribute(&info->sm_count, cudaDevAttrMultiProcessorCount, device)) !=
+          cudaSuccess ||
+      (err = cudaDeviceGetAttribute(&info->major, cudaDevAttrComputeCapabilityMajor, device)) !=
+          cudaSuccess ||
+      (err = cudaDeviceGetAttribute(&info->minor, cudaDevAttrComputeCapabilityMinor, device)) !=
+          cudaSuccess) {
+    return err;
+  }
+  return cudaSuccess;
+}
+
+// Heads whose K and V together take about this much L2 are scheduled as one group.
+constexpr int64_t kL2BudgetBytes = 24ll << 20;
+
+template <class Cfg>
+cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
+  const AttentionShape& sh = a.shape;
+  Params p;
+  if (!encode_tensor_map(&p.tma_q, a.q, a.dtype, sh.batch, sh.q_len, sh.num_heads, sh.head_dim,
+                         Cfg::kBlockM) ||
+      !encode_tensor_map(&p.tma_k, a.k, a.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
+                         sh.head_dim, Cfg::kBlockN) ||
+      !encode_tensor_map(&p.tma_v, a.v, a.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
+                         sh.head_dim, Cfg::kBlockN)) {
+    return cudaErrorInvalidValue;
+  }
+  p.out = a.out;
+  p.lse = a.lse;
+  p.q_seqlens = a.q_seqlens;
+  p.kv_seqlens = a.kv_seqlens;
+  p.batch = int(sh.batch);
+  p.q_len = int(sh.q_len);
+  p.kv_len = int(sh.kv_len);
+  p.num_heads = int(sh.num_heads);
+  p.heads_per_kv = int(sh.num_heads / sh.num_kv_heads);
+  const MaskSpec& spec = a.spec;
+  p.softcap = spec.softcap > 0.f ? spec.softcap : 0.f;
+  p.softcap_inv = spec.softcap > 0.f ? spec.scale / spec.softcap : 0.f;
+  // With softcap the capped score is already scaled; the exponent only converts to log2.
+  p.scale_log2 = (spec.softcap > 0.f ? 1.f : spec.scale) * kLog2e;
+  p.window_left = spec.window_left < 0 ? -1 : spec.window_left;
+  int right = spec.window_right < 0 ? -1 : spec.window_right;
+  if (spec.is_causal) right = right < 0 ? 0 : std::min(right, 0);
+  p.window_right = right;
+  p.num_m_blocks = int((sh.q_len + Cfg::kBlockM - 1) / Cfg::kBlockM);
+  // Causal without a left window: a tile's cost grows with its m-block; pair them up.
+  p.pair_m_blocks = p.window_right >= 0 && p.window_left < 0;
+  p.units_per_head = p.pair_m_blocks ? (p.num_m_blocks + 1) / 2 : p.num_m_blocks;
+  const int64_t kv_bytes_per_head = 2 * sh.kv_len * sh.head_dim * 2;
+  const int64_t batch_heads = sh.batch * sh.num_heads;
+  p.heads_per_group = int(std::max<int64_t>(
+      1, std::min<int64_t>(batch_heads, kL2BudgetBytes / kv_bytes_per_head * p.heads_per_kv)));
+  p.num_units = int(p.units_per_head * batch_heads);
+  if (p.num_units == 0) return cudaSuccess;
+
+  const auto kernel = v3_forward_kernel<Cfg>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const int grid = std::min(p.num_units, sm_count);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Launches the instantiation of (Element, kHeadDim) compiled for `tuning`: the head dim's
+// default, plus (bf16, JAX_FLASH_V3_TUNING_VARIANTS builds) every switch combination.
+template <typename Element, int kHeadDim>
+cudaError_t launch_tuned(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
+                         cudaStream_t stream) {
+  using D = DefaultTuning<kHeadDim>;
+  if (tuning.conditional_rescale == D::kConditionalRescale &&
+      tuning.exp2_emulation_period == D::kExp2EmulationPeriod) {
+    using Cfg = typename ConfigFor<Element, kHeadDim, D::kConditionalRescale,
+                                   D::kExp2EmulationPeriod>::type;
+    return launch<Cfg>(a, sm_count, stream);
+  }
+#ifdef JAX_FLASH_V3_TUNING_VARIANTS
+  constexpr int kVariantEmulationPeriod = 4;  // the period tests/gpu/harness_v3.cu measures
+  if constexpr (std::is_same_v<Element, __nv_bfloat16>) {
+    if (tuning.exp2_emulation_period != 0 &&
+        tuning.exp2_emulation_period != kVariantEmulationPeriod) {
+      return cudaErrorNotSupported;
+    }
+    const bool emulated = tuning.exp2_emulation_period != 0;
+    if (tuning.conditional_rescale && emulated)
+      return launch<typename ConfigFor<Element, kHeadDim, true, kVariantEmulationPeriod>::type>(
+          a, sm_count, stream);
+    if (tuning.conditional_rescale)
+      return launch<typename ConfigFor<Element, kHeadDim, true, 0>::type>(a, sm_count, stream);
+    if (emulated)
+      return launch<typename ConfigFor<Element, kHeadDim, false, kVariantEmulationPeriod>::type>(
+          a, sm_count, stream);
+    return launch<typename ConfigFor<Element, kHeadDim, false, 0>::type>(a, sm_count, stream);
+  }
+#endif
+  return cudaErrorNotSupported;
+}
+
+template <typename Element>
+cudaError_t dispatch_head_dim(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
+                              cudaStream_t stream) {
+  switch (a.shape.head_dim) {
+    case 64: return launch_tuned<Element, 64>(a, tuning, sm_count, stream);
+    case 128: return launch_tuned<Element, 128>(a, tuning, sm_count, stream);
+    case 256: return launch_tuned<Element, 256>(a, tuning, sm_count, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t dispatch(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
+                     cudaStream_t stream) {
+  return a.dtype == DType::kBF16
+             ? dispatch_head_dim<__nv_bfloat16>(a, tuning, sm_count, stream)
+             : dispatch_head_dim<__half>(a, tuning, sm_count, stream);
+}
+
+}  // namespace
+
+const char* V3ForwardUnsupportedReason(const ForwardArgs& a) {
+  const AttentionShape& sh = a.shape;
+  if (a.dtype != DType::kBF16 && a.dtype != DType::kF16) return "v3 needs bfloat16 or float16";
+  if (sh.head_dim != 64 && sh.head_dim != 128 && sh.head_dim != 256)
+    return "v3 needs head dim 64, 128 or 256";
+  if (a.bias.data != nullptr) return "v3 does not take a bias tensor";
+  if (a.mask.data != nullptr) return "v3 does not take a mask tensor";
+  if (!(a.spec.scale > 0.f)) return "v3 needs scale > 0";
+  if (sh.num_kv_heads <= 0 || sh.num_heads % sh.num_kv_heads != 0)
+    return "query heads must be a multiple of kv heads";
+  if (sh.kv_len < 1) return "v3 needs at least one key";
+  if (sh.q_len >= (int64_t(1) << 31) || sh.kv_len >= (int64_t(1) << 31) ||
+      sh.batch * sh.num_heads * ((sh.q_len + 63) / 64) >= (int64_t(1) << 31))
+    return "v3 indexes rows and tiles with 32-bit integers";
+  DeviceInfo info;
+  if (current_device_info(&info) != cudaSuccess) return "no CUDA device";
+  if (info.major != 9 || info.minor != 0) return "v3 needs an sm_90 (Hopper) device";
+  return nullptr;
+}
+
+cudaError_t V3ForwardTuned(const ForwardArgs& args, const V3Tuning& tuning, cudaStream_t stream) {
+  if (V3ForwardUnsupportedReason(args) != nullptr) return cudaErrorInvalidValue;
+  DeviceInfo info;
+  const cudaError_t err = current_device_info(&info);
+  if (err != cudaSuccess) return err;
+  return dispatch(args, tuning, info.sm_count, stream);
+}
+
+V3Tuning V3DefaultTuning(int64_t head_dim) {
+  return head_dim == 64    ? DefaultTuning<64>::value()
+         : head_dim == 128 ? DefaultTuning<128>::value()
+                           : DefaultTuning<256>::value();
+}
+
+cudaError_t V3Forward(const ForwardArgs& args, cudaStream_t stream) {
+  return V3ForwardTuned(args, V3DefaultTuning(args.shape.head_dim), stream);
+}
+
+}  // namespace jax_flash

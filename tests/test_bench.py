@@ -1,0 +1,176 @@
+"""python -m jax_flash.bench on tiny CPU cases: outputs written, numbers sane, garbage caught."""
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_flash
+from jax_flash.bench import cli, configs, kernels, peers, runner
+from jax_flash.bench.timing import TimingOptions
+
+CPU_AVAILABLE = any(s.name == "cpu" and s.available for s in jax_flash.schedules())
+FAST = TimingOptions(repeats=2, min_repeat_s=0.0, warmup=1, wait_each_call=True)
+
+
+def _options(check_rows=256):
+  return runner.RunOptions(backend=jax.default_backend(), timing=FAST, check_rows=check_rows)
+
+
+def _rows(case_result):
+  return {row["impl"]: row for row in case_result["rows"]}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bench")
+  # B=2 N=2 T=S=128 H=32 causal, forward and forward+backward; a 48-row check slice so the
+  # sliced reference (the last rows for causal, dout zeroed elsewhere) is exercised.
+  status = cli.main(["--quick", "--mode", "fwd,fwdbwd", "--heads", "32", "--seqlens", "128",
+                     "--tokens", "256", "--width", "64", "--causal", "1", "--repeats", "2",
+                     "--min-repeat-s", "0.01", "--check-rows", "48", "--out", str(out)])
+  backend = jax.default_backend()
+  with open(out / f"bench_{backend}.json") as f:
+    return status, json.load(f), out, backend
+
+
+def test_outputs_written(quick_run):
+  status, payload, out, backend = quick_run
+  assert status == 0
+  png = (out / f"bench_{backend}.png").read_bytes()
+  assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+  assert "== fwd" in (out / f"bench_{backend}.txt").read_text()
+  assert payload["ceilings"]["matmul"]["tflops"] > 0
+  assert payload["ceilings"]["copy"]["tbps"] > 0
+  assert [c["mode"] for c in payload["cases"]] == ["fwd", "fwdbwd"]
+
+
+def test_rerender_from_json(quick_run, tmp_path):
+  _, payload, out, backend = quick_run
+  assert cli.main(["--from-json", str(out / f"bench_{backend}.json"), "--out", str(tmp_path)]) == 0
+  assert (tmp_path / f"bench_{backend}.png").read_bytes()[:4] == b"\x89PNG"
+  assert (tmp_path / f"bench_{backend}.txt").read_text() == (out / f"bench_{backend}.txt").read_text()
+
+
+def test_rows_are_timed_counted_and_checked(quick_run):
+  _, payload, _, _ = quick_run
+  for case_result in payload["cases"]:
+    c = configs.Case(**case_result["case"])
+    flops = 4 * c.batch * c.num_heads * c.q_len * c.kv_len * c.head_dim
+    flops = flops / (2 if c.causal else 1) * (3.5 if c.mode == "fwdbwd" else 1)
+    assert case_result["flops"] == flops
+    expected_slice = (c.q_len - 48, c.q_len) if c.causal else (0, 48)
+    assert tuple(case_result["check_slice"]["rows"]) == expected_slice
+    timed = [r for r in case_result["rows"] if r["status"] == "ok"]
+    assert {"xla"} <= {r["impl"] for r in timed}
+    for row in timed:
+      check = row["check"]
+      assert math.isfinite(check["max_abs"]) and math.isfinite(check["rel_l2"])
+      assert check["passed"] and check["rel_l2"] < 1e-4, (row["impl"], check)
+      assert row["seconds"] > 0
+      assert row["tflops"] == pytest.approx(flops / row["seconds"] / 1e12)
+      names = {"dq", "dk", "dv"} if c.mode == "fwdbwd" else {"out"}
+      assert set(check["per_tensor"]) == names
+
+
+def test_kernels_named_from_the_trace(quick_run):
+  _, payload, _, _ = quick_run
+  for case_result in payload["cases"]:
+    rows = _rows(case_result)
+    xla_kernels = {k["name"] for k in rows["xla"]["kernels"]["kernels"]}
+    assert xla_kernels and not any("jax_flash" in k for k in xla_kernels)
+    if not CPU_AVAILABLE:
+      continue
+    want = {"jax_flash_cpu_fwd"} | ({"jax_flash_cpu_bwd"} if case_result["mode"] == "fwdbwd"
+                                    else set())
+    ran = rows["cpu"]["kernels"]["kernels"]
+    assert {k["name"] for k in ran if k["name"].startswith("jax_flash")} == want
+    assert sum(k["share"] for k in ran if k["name"] in want) > 0.5  # beside e.g. a seqlens fill
+    # schedule="auto" runs the cpu kernel: one kernel, one row.
+    assert rows["auto"]["status"] == "same_kernel" and rows["auto"]["same_kernel_as"] == "cpu"
+
+
+def _garbage(q, k, v, case):
+  del k, case
+  return jnp.flip(v, axis=1)[:, :q.shape[1]] * 1.5
+
+
+def _nan(q, k, v, case):
+  return jax.nn.dot_product_attention(q, k, v, is_causal=case.causal) * jnp.nan
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
+def test_garbage_fails_the_check(mode):
+  case = configs.Case(mode, 1, 64, 64, 2, 2, 16, False, "float32")
+  bad = [peers.Peer("garbage", "jax", "flipped V", _garbage),
+         peers.Peer("nan", "jax", "NaN output", _nan)]
+  result = runner.run_case(case, bad, _options())
+  for row in result["rows"]:
+    assert row["status"] == "ok"
+    assert not row["check"]["passed"], row
+  assert _rows(result)["nan"]["check"]["rel_l2"] == math.inf
+
+
+def test_gqa_slice_matches_reference():
+  # Non-causal: the first 17 rows are checked (the quick run above covers the causal slice).
+  case = configs.Case("fwdbwd", 2, 97, 97, 4, 2, 16, False, "float32")
+  available, _ = peers.all_peers(jax.default_backend())
+  chosen = [p for p in available if p.name in ("xla", "cpu")]
+  result = runner.run_case(case, chosen, _options(check_rows=17))
+  assert result["check_slice"]["rows"] == [0, 17]
+  assert result["check_slice"]["heads"] == 2 and result["check_slice"]["kv_heads"] == 1
+  for row in result["rows"]:
+    assert row["status"] == "ok" and row["check"]["passed"], row
+
+
+def test_unsupported_peer_is_recorded_not_fatal():
+  case = configs.Case("fwd", 1, 32, 32, 2, 2, 16, False, "float32")
+
+  def refuses(q, k, v, case):
+    raise ValueError("schedule cannot serve this call")
+
+  result = runner.run_case(case, [peers.Peer("refuses", "jax", "", refuses)], _options())
+  row = result["rows"][0]
+  assert row["status"] == "unsupported" and "cannot serve" in row["error"]
+
+
+def _gpu_trace():
+  """A perfetto trace shaped like the GPU one: stream lines, derived lines, two windows."""
+  meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+          {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0 (H200)"}},
+          {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name",
+           "args": {"name": "Stream #7(Compute)"}},
+          {"ph": "M", "pid": 2, "tid": 99, "name": "thread_name", "args": {"name": "XLA Ops"}}]
+  prefix = kernels.ANNOTATION_PREFIX
+
+  def x(pid, tid, ts, dur, name):
+    return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name}
+
+  events = [x(1, 1, 0, 1000, prefix + "v3"), x(1, 1, 11000, 1000, prefix + "auto"),
+            x(1, 1, 22000, 1000, prefix + "cudnn"),
+            x(2, 7, 100, 600, "void fwd_kernel<128, 64>(Params)"), x(2, 7, 800, 50, "memset"),
+            x(2, 99, 100, 600, "custom-call.1"),  # derived line: must not count
+            x(2, 7, 11100, 600, "void fwd_kernel<128, 64>(Params)"),
+            x(2, 7, 11800, 50, "memset"),
+            x(2, 7, 22100, 700, "cudnn_generated_sdpa_kernel"), x(5, 5, 5, 5, "stray")]
+  return {"traceEvents": meta + events}
+
+
+def test_gpu_trace_attribution_and_same_kernel():
+  reports = kernels.attribute(_gpu_trace(), ["v3", "auto", "cudnn"], "gpu")
+  v3 = reports["v3"]
+  assert [k.name for k in v3.kernels] == ["void fwd_kernel<128, 64>(Params)", "memset"]
+  assert v3.kernels[0].time_us == 600 and v3.kernels[0].share == pytest.approx(600 / 650)
+  assert kernels.short_name(v3.kernels[0].name) == "fwd_kernel"
+  assert reports["cudnn"].signature() == {"cudnn_generated_sdpa_kernel"}
+  aliases = kernels.same_kernel_groups(reports, {"v3": "jax", "auto": "jax", "cudnn": "jax"})
+  assert aliases == {"auto": "v3"}
+
+
+def test_gpu_grid_is_the_benchmark_grid():
+  cases = configs.attention_grid("fwd", **configs.GPU_GRID)
+  assert len(cases) == 18
+  assert all(c.batch * c.q_len == 16384 and c.num_heads * c.head_dim == 2048 for c in cases)
+  decode = configs.decode_grid(configs.GPU_DECODE_GRID, "bfloat16")
+  assert decode[0].kv_bytes() == 2 * 1 * 32768 * 8 * 128 * 2
