@@ -17,14 +17,34 @@
 #include <cmath>
 #include <cstdint>
 
+#include "tile.cuh"
+
 namespace jax_flash {
 namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kBlockKeys = 64;  // keys per pipeline stage
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
+using tile::cp_async_commit;
+using tile::cp_async_wait;
+using tile::fast_exp2;
+using tile::kLn2;
+using tile::kLog2e;
+using tile::quad_max;
+using tile::quad_sum;
+template <typename Elem>
+using ElemOps = tile::Element<Elem>;
+
+// Copies 16 bytes global -> shared (zeros when !valid) / loads fragments at a generic smem pointer.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+  tile::cp_async_16(tile::smem_address(dst), src, valid);
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  tile::ldmatrix_x4(r, tile::smem_address(p));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  tile::ldmatrix_x4_trans(r, tile::smem_address(p));
+}
 
 template <int kHeadDim, int kRowTiles>
 struct Tiling {
@@ -32,10 +52,9 @@ struct Tiling {
   static constexpr int kKeySlices = kWarps / kRowTiles;  // warps sharing one row tile
   static constexpr int kWarpKeys = kBlockKeys / kKeySlices;
   static constexpr int kChunks = kHeadDim / 8;           // 16-byte chunks per row
-#ifndef JAX_FLASH_DECODE_STAGES  // tuning override (harness builds only)
-#define JAX_FLASH_DECODE_STAGES 3
-#endif
-  static constexpr int kStages = JAX_FLASH_DECODE_STAGES + (kHeadDim <= 64 ? 1 : 0);
+  // 3 stages for H = 128 (100 KB: 2 blocks per SM) measured faster than 2 stages (3 blocks per
+  // SM) and than 4 (1 block per SM) on the H200.
+  static constexpr int kStages = kHeadDim <= 64 ? 4 : 3;
   static constexpr int kTileElems = kBlockKeys * kHeadDim;
   static constexpr bool kQInRegisters = kHeadDim <= 128;
   static constexpr int kMergeStride = kHeadDim + 4;  // f32 row pitch of the merge buffer
@@ -47,90 +66,8 @@ struct Tiling {
   static_assert(kWarpKeys >= 16 && kWarpKeys % 16 == 0, "a warp needs whole 16-key mma steps");
 };
 
-// ---- PTX vocabulary ----------------------------------------------------------------------
+// ---- warp-wide reductions (the quad ones and the PTX wrappers come from tile.cuh) ----------
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte global->shared copy; src_bytes = 0 writes zeros (rows that do not exist).
-#ifndef JAX_FLASH_DECODE_L2_PREFETCH  // tuning override (harness builds only)
-#define JAX_FLASH_DECODE_L2_PREFETCH 1
-#endif
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
-#if JAX_FLASH_DECODE_L2_PREFETCH
-  // A key row is 2 * H contiguous bytes: let L2 fetch it in 256-byte pieces.
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-               "l"(src), "r"(src_bytes));
-#else
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-               "l"(src), "r"(src_bytes));
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-template <typename Elem>
-struct ElemOps;
-
-template <>
-struct ElemOps<__nv_bfloat16> {
-  __device__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  __device__ static uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-};
-
-template <>
-struct ElemOps<__half> {
-  __device__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  __device__ static uint32_t pack(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-};
-
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
 __device__ __forceinline__ float warp_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
@@ -239,7 +176,7 @@ struct SplitKv {
       const bool real = row_coords(r, t, n);
       const Elem* src = static_cast<const Elem*>(a.q) +
                         ((int64_t(seq.b) * a.q_len + t) * a.num_heads + n) * kHeadDim + c * 8;
-      cp_async_16(sQ + swizzled<kHeadDim>(r, c), src, real ? 16 : 0);
+      cp_async_16(sQ + swizzled<kHeadDim>(r, c), src, real);
     }
   }
 
@@ -262,9 +199,10 @@ struct SplitKv {
     RowStream st;
     st.k_cache = static_cast<const Elem*>(a.k) + seq_rows * row_stride + chunk;
     st.v_cache = static_cast<const Elem*>(a.v) + seq_rows * row_stride + chunk;
-    st.k_new = static_cast<const Elem*>(a.k_new) + new_rows * row_stride + chunk;
-    st.v_new = static_cast<const Elem*>(a.v_new) + new_rows * row_stride + chunk;
-    st.pages = a.block_table + int64_t(seq.b) * a.max_pages;
+    const bool appends = a.k_new != nullptr;
+    st.k_new = appends ? static_cast<const Elem*>(a.k_new) + new_rows * row_stride + chunk : nullptr;
+    st.v_new = appends ? static_cast<const Elem*>(a.v_new) + new_rows * row_stride + chunk : nullptr;
+    st.pages = a.block_table != nullptr ? a.block_table + int64_t(seq.b) * a.max_pages : nullptr;
     st.row_stride = row_stride;
     return st;
   }
@@ -282,8 +220,8 @@ struct SplitKv {
 #pragma unroll
     for (int i = 0; i < kBlockKeys / kRowStep; ++i) {
       const int r = tid / kChunks + i * kRowStep;
-      cp_async_16(sk + swizzled<kHeadDim>(r, c), k_row + first + i * step, 16);
-      cp_async_16(sv + swizzled<kHeadDim>(r, c), v_row + first + i * step, 16);
+      cp_async_16(sk + swizzled<kHeadDim>(r, c), k_row + first + i * step, true);
+      cp_async_16(sv + swizzled<kHeadDim>(r, c), v_row + first + i * step, true);
     }
   }
 
@@ -314,8 +252,8 @@ struct SplitKv {
         row = (page << a.page_size_log2) | (pos & ((1 << a.page_size_log2) - 1));
       }
       const int64_t off = live ? int64_t(row) * st.row_stride : 0;
-      cp_async_16(sk + swizzled<kHeadDim>(r, c), k_src + off, live ? 16 : 0);
-      cp_async_16(sv + swizzled<kHeadDim>(r, c), v_src + off, live ? 16 : 0);
+      cp_async_16(sk + swizzled<kHeadDim>(r, c), k_src + off, live);
+      cp_async_16(sv + swizzled<kHeadDim>(r, c), v_src + off, live);
     }
   }
 
@@ -672,20 +610,34 @@ __device__ void merge_splits_of_row(const DecodeArgs& a, int b, int t, int n, in
     total = warp_sum(total);
   }
   const float lse = total > 0.f ? m + logf(total) : -INFINITY;
+  // The partial rows are read in batches whose loads are all in flight at once: one L2 round
+  // trip per batch, not per split (the tail of the kernel waits on this).
+  constexpr int kBatch = kHeadDim <= 128 ? 16 : 8;
   float o[kPerLane] = {};
   if (total > 0.f) {
     for (int j0 = 0; j0 < splits; j0 += 32) {
       const int j = j0 + lane;
       const float w = j < splits ? expf(__ldcg(a.partial_lse + j * lse_stride + lse_at) - lse) : 0.f;
       const int count = min(32, splits - j0);
-      for (int jj = 0; jj < count; ++jj) {
-        const float wj = __shfl_sync(0xffffffffu, w, jj);
-        const float* src = a.partial_out + (j0 + jj) * out_stride + out_at;
+      for (int jb = 0; jb < count; jb += kBatch) {
+        float2 v[kBatch][kPerLane / 2];
 #pragma unroll
-        for (int e = 0; e < kPerLane; e += 2) {
-          const float2 v = __ldcg(reinterpret_cast<const float2*>(src + e));
-          o[e] += wj * v.x;
-          o[e + 1] += wj * v.y;
+        for (int u = 0; u < kBatch; ++u) {
+          const int jj = min(jb + u, count - 1);  // past the end: a repeat, weighted 0 below
+          const float* src = a.partial_out + (j0 + jj) * out_stride + out_at;
+#pragma unroll
+          for (int e = 0; e < kPerLane; e += 2)
+            v[u][e / 2] = __ldcg(reinterpret_cast<const float2*>(src + e));
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const float wj = __shfl_sync(0xffffffffu, w, (jb + u) & 31);
+          const float weight = jb + u < count ? wj : 0.f;
+#pragma unroll
+          for (int e = 0; e < kPerLane; e += 2) {
+            o[e] += weight * v[u][e / 2].x;
+            o[e + 1] += weight * v[u][e / 2].y;
+          }
         }
       }
     }
@@ -779,8 +731,8 @@ bool shape_is_valid(const DecodeArgs& a) {
 template <typename F>
 cudaError_t visit_variant(const DecodeArgs& a, F&& f) {
   if (!shape_is_valid(a)) return cudaErrorInvalidValue;
-  if (a.dtype == DType::kBF16) return visit_head_dim<__nv_bfloat16>(a, f);
-  return visit_head_dim<__half>(a, f);
+  return tile::dispatch_dtype(a.dtype,
+                              [&](auto elem) { return visit_head_dim<decltype(elem)>(a, f); });
 }
 
 // Splits no shorter than this many key tiles: shorter ones spend more on the pipeline fill

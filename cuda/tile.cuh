@@ -338,6 +338,25 @@ struct HeadRows {
   __device__ T* row(int r) const { return base + r * stride; }
 };
 
+// The operands of one (batch, query head) of a forward call: its rows of q and out, its kv
+// head's rows of k and v (query head n reads kv head n / (N / K)), and its row of lse.
+template <typename T>
+struct ForwardHead {
+  HeadRows<const T> q, k, v;
+  HeadRows<T> out;
+  float* lse;
+
+  __device__ static ForwardHead of(const ForwardArgs& args, int b, int head) {
+    const AttentionShape& s = args.shape;
+    const int64_t kv_head = head / (s.num_heads / s.num_kv_heads);
+    return {HeadRows<const T>::of(args.q, b, s.q_len, s.num_heads, head, s.head_dim),
+            HeadRows<const T>::of(args.k, b, s.kv_len, s.num_kv_heads, kv_head, s.head_dim),
+            HeadRows<const T>::of(args.v, b, s.kv_len, s.num_kv_heads, kv_head, s.head_dim),
+            HeadRows<T>::of(args.out, b, s.q_len, s.num_heads, head, s.head_dim),
+            args.lse + (b * s.num_heads + head) * s.q_len};
+  }
+};
+
 // ---------------------------------------------------------------------------------------------
 // Which scores are kept, and how raw q.k products become scores
 // ---------------------------------------------------------------------------------------------
@@ -479,36 +498,59 @@ struct RowSoftmax {
     for (int r = 0; r < kRows; ++r) max[r] = -INFINITY, sum[r] = 0.f;
   }
 
-  // Exponentiates a tile of scores (times `mul`) in place against the updated row maxima and
-  // returns in `rescale` the factor the rows' earlier accumulations must be multiplied by.
-  // Returns whether any row of the warp changed its maximum (else every factor is exactly 1).
+  // A row with no kept key so far exponentiates against 0: every term is exp2(-inf) = 0.
+  __device__ static float base(float row_max) { return row_max == -INFINITY ? 0.f : row_max; }
+
+  // Folds a tile of scores (times `mul`, mul > 0) into the row maxima. Returns in `factor` what
+  // the rows' earlier accumulations must be multiplied by (the sums are rescaled here), and
+  // whether any row of the warp changed its maximum (else every factor is exactly 1). The
+  // maxima of all rows reduce as trees, interleaved, so no long dependency chain forms.
   template <int NT>
-  __device__ bool update(float (&s)[MT][NT][4], float mul, float (&rescale)[kRows]) {
-    bool changed = false;
+  __device__ bool rescale(const float (&s)[MT][NT][4], float mul, float (&factor)[kRows]) {
+    float tile_max[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int m = r / 2, half = r % 2;
-      float tile_max = -INFINITY;
+      float v[NT];
 #pragma unroll
-      for (int n = 0; n < NT; ++n)
-        tile_max = fmaxf(tile_max, fmaxf(s[m][n][2 * half], s[m][n][2 * half + 1]));
-      const float new_max = fmaxf(max[r], quad_max(tile_max) * mul);
-      // A row with no kept key so far exponentiates against 0: every term is exp2(-inf) = 0.
-      const float base = new_max == -INFINITY ? 0.f : new_max;
-      rescale[r] = fast_exp2(max[r] - base);
+      for (int n = 0; n < NT; ++n) v[n] = fmaxf(s[m][n][2 * half], s[m][n][2 * half + 1]);
+#pragma unroll
+      for (int width = 1; width < NT; width *= 2)
+#pragma unroll
+        for (int n = 0; n + width < NT; n += 2 * width) v[n] = fmaxf(v[n], v[n + width]);
+      tile_max[r] = v[0];
+    }
+    bool changed = false;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float new_max = fmaxf(max[r], quad_max(tile_max[r]) * mul);
+      factor[r] = fast_exp2(max[r] - base(new_max));
       changed |= new_max != max[r];
       max[r] = new_max;
-      float row_sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int e = 2 * half; e < 2 * half + 2; ++e) {
-          s[m][n][e] = fast_exp2(s[m][n][e] * mul - base);
-          row_sum += s[m][n][e];
-        }
-      sum[r] = sum[r] * rescale[r] + row_sum;
+      sum[r] *= factor[r];
     }
     return __any_sync(0xffffffffu, changed);
+  }
+
+  // Replaces n-tiles [n0, n0 + kCount) of the tile with exp2(score * mul - max) and adds them to
+  // the row sums. Called per k-step of P V, so the exponentials of one step overlap the tensor
+  // core work of the previous one.
+  template <int kCount, int NT>
+  __device__ void exponentiate(float (&s)[MT][NT][4], float mul, int n0) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int m = r / 2, half = r % 2;
+      const float b = base(max[r]);
+      float partial = 0.f;
+#pragma unroll
+      for (int n = n0; n < n0 + kCount; ++n)
+#pragma unroll
+        for (int e = 2 * half; e < 2 * half + 2; ++e) {
+          s[m][n][e] = fast_exp2(s[m][n][e] * mul - b);
+          partial += s[m][n][e];
+        }
+      sum[r] += partial;
+    }
   }
 
   // Final 1/rowsum (0 for rows with no kept key) and natural-log logsumexp (-inf for those).

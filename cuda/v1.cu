@@ -49,14 +49,8 @@ __global__ void __launch_bounds__(128, 1) v1_forward_kernel(const __grid_constan
   const AttentionShape& shape = args.shape;
   const int q_len = static_cast<int>(shape.q_len), kv_len = static_cast<int>(shape.kv_len);
   const int head_dim = static_cast<int>(shape.head_dim), chunks = head_dim / 8;
-  const int kv_head = head / static_cast<int>(shape.num_heads / shape.num_kv_heads);
-  const auto q = HeadRows<const T>::of(args.q, b, q_len, shape.num_heads, head, head_dim);
-  const auto k = HeadRows<const T>::of(args.k, b, kv_len, shape.num_kv_heads, kv_head, head_dim);
-  const auto v = HeadRows<const T>::of(args.v, b, kv_len, shape.num_kv_heads, kv_head, head_dim);
-  const auto out = HeadRows<T>::of(args.out, b, q_len, shape.num_heads, head, head_dim);
-  const int64_t head_index = static_cast<int64_t>(b) * shape.num_heads + head;
-  float* lse = args.lse + head_index * q_len;
-  float* accum = o_accum + head_index * q_len * head_dim;  // [T, H]
+  const auto [q, k, v, out, lse] = ForwardHead<T>::of(args, b, head);
+  float* accum = o_accum + (static_cast<int64_t>(b) * shape.num_heads + head) * q_len * head_dim;
 
   const typename L::KVTile sK{smem_address(smem)};
   const typename L::KVTile sV{sK.base + L::KVTile::kBytes};

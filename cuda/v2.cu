@@ -67,12 +67,7 @@ __global__ void __launch_bounds__(V2Layout<kHeadDim, Shape>::kThreads,
   const AttentionShape& shape = args.shape;
   const int q_len = static_cast<int>(shape.q_len), kv_len = static_cast<int>(shape.kv_len);
   const int head_dim = static_cast<int>(shape.head_dim), chunks = head_dim / 8;
-  const int kv_head = head / static_cast<int>(shape.num_heads / shape.num_kv_heads);
-  const auto q = HeadRows<const T>::of(args.q, b, q_len, shape.num_heads, head, head_dim);
-  const auto k = HeadRows<const T>::of(args.k, b, kv_len, shape.num_kv_heads, kv_head, head_dim);
-  const auto v = HeadRows<const T>::of(args.v, b, kv_len, shape.num_kv_heads, kv_head, head_dim);
-  const auto out = HeadRows<T>::of(args.out, b, q_len, shape.num_heads, head, head_dim);
-  float* lse = args.lse + (static_cast<int64_t>(b) * shape.num_heads + head) * q_len;
+  const auto [q, k, v, out, lse] = ForwardHead<T>::of(args, b, head);
 
   const Scores scores(args, b, head);
   const int row0 = m_block * L::kBlockM;
@@ -126,11 +121,12 @@ __global__ void __launch_bounds__(V2Layout<kHeadDim, Shape>::kThreads,
         [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_nmajor(bf, sK, k0, n0, lane); });
     const bool check = !scores.all_kept(rows_begin, rows_end, col0, col0 + L::kBlockN);
     const float mul = scores.apply<kGeneral>(s, rows_begin, col0, check, lane);
-    float rescale[2 * MT];
-    if (softmax.update(s, mul, rescale)) scale_rows(o, rescale);
+    float factor[2 * MT];
+    if (softmax.rescale(s, mul, factor)) scale_rows(o, factor);
 
 #pragma unroll
     for (int kk = 0; kk < L::kBlockN / 16; ++kk) {
+      softmax.template exponentiate<2>(s, mul, 2 * kk);
       uint32_t a[MT][4];
       c_to_a<T>(a, s, kk);
       mma_k_step<T>(o, a, [&](uint32_t(&bv)[4], int n0) { load_b_pair_kmajor(bv, sV, 16 * kk, n0, lane); });
@@ -142,6 +138,7 @@ __global__ void __launch_bounds__(V2Layout<kHeadDim, Shape>::kThreads,
   scale_rows(o, inv_sum);
   // Stage the warp's rows (as T) in its own rows of the Q tile, which only it reads, and write
   // them out 16 bytes per lane.
+  __syncwarp();  // the warp's last reads of its Q rows precede the lanes' writes
   store_c<T>(sQ, o, warp_row0, 0, lane);
   __syncwarp();
   sQ.template store_rows<32, L::kWarpRows>(out.row(rows_begin), out.stride, warp_row0,

@@ -16,8 +16,13 @@
 //   * inter-warpgroup ("pingpong"): a ring of named barriers lets one consumer warpgroup issue
 //     its GEMMs at a time, so one warpgroup's softmax overlaps the other's GEMMs.
 //   * setmaxnreg moves registers from the producer (which needs few) to the consumers.
-//   * tiles are ordered longest-first (descending m-block, for causal) inside groups of heads
-//     whose K / V fit in L2; CTA i takes tiles i, i + grid, ...
+//   * persistent grid, static schedule: CTA i takes work units i, i + grid, ... A unit is one
+//     tile, or under causal masking the pair of m-blocks {last - k, k}, whose costs add up to
+//     the same for every k (longest first), so that the static assignment balances. Units are
+//     grouped by heads whose K / V fit in L2.
+//
+// Tiles (kBlockM x kBlockN): head dim 64: 128 x 128, or 192 x 128 (three consumer warpgroups)
+// on long sequences; 128: 128 x 128; 256: 128 x 80. Two K / V stages.
 //
 // Shared memory tiles are 64-column slabs of 128-byte rows in the 128-byte swizzle that TMA
 // writes and wgmma reads (slab c of a tile with R rows starts at c * R * 128 bytes). K-major
@@ -283,7 +288,6 @@ struct Gmma;
   JAX_FLASH_V3_GMMA(ELEMENT, TAG, 64)          \
   JAX_FLASH_V3_GMMA(ELEMENT, TAG, 80)          \
   JAX_FLASH_V3_GMMA(ELEMENT, TAG, 128)         \
-  JAX_FLASH_V3_GMMA(ELEMENT, TAG, 176)         \
   JAX_FLASH_V3_GMMA(ELEMENT, TAG, 256)
 JAX_FLASH_V3_GMMA_WIDTHS(__nv_bfloat16, BF16)
 JAX_FLASH_V3_GMMA_WIDTHS(__half, F16)
@@ -331,7 +335,7 @@ __device__ __forceinline__ void issue_pv(const uint32_t (&p)[Cfg::kBlockN / 16][
 }
 
 // ------------------------------------------------------------------------------------------
-// Tiles: which (batch, head, m-block) a tile index is, and which key blocks it visits
+// Tiles: which (batch, head, m-block)s a work unit holds, and which key blocks each visits
 // ------------------------------------------------------------------------------------------
 
 struct Tile {
@@ -399,7 +403,7 @@ __device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uin
     mbarrier_arrive_expect_tx(bars.k_full + 8 * stage, Cfg::kKVBytes);
     tma_load_tile<Cfg::kSlabs, Cfg::kBlockN>(&p.tma_k, k_dst, bars.k_full + 8 * stage,
                                              nb * Cfg::kBlockN, kv_head, t.batch);
-    if (nb == t.n_max - 1) {  // the tile's Q, once both warpgroups released the last one
+    if (nb == t.n_max - 1) {  // the tile's Q, once every consumer warp released the last one
       mbarrier_wait(bars.q_empty, q_phase ^ 1);
       mbarrier_arrive_expect_tx(bars.q_full, Cfg::kQBytes);
       tma_load_tile<Cfg::kSlabs, Cfg::kBlockM>(&p.tma_q, smem, bars.q_full,
@@ -624,6 +628,41 @@ struct ConsumerState {
   uint32_t q_phase;
 };
 
+// Issues this warpgroup's GEMMs in its pingpong turn: wait for it, issue, pass it on.
+template <class IssueGemms>
+__device__ __forceinline__ void issue_in_turn(const ConsumerState& c, IssueGemms&& issue) {
+  named_barrier_sync(c.my_barrier, 256);
+  wgmma_fence();
+  issue();
+  named_barrier_arrive(c.next_barrier, 256);
+}
+
+// S of key block nb (K in `stage`) has landed: free the K stage (and Q after the tile's last
+// block), then softcap and mask the scores.
+template <class Cfg>
+__device__ __forceinline__ void take_scores(const Params& p, const Tile& t,
+                                            const BarrierAddresses& bars,
+                                            const ConsumerState& c, int stage, int nb,
+                                            int row_lo, float (&s)[Cfg::kBlockN / 2]) {
+  fence_registers(s);
+  if (c.warp_leader) {
+    mbarrier_arrive(bars.k_empty + 8 * stage);
+    if (nb == t.n_min) mbarrier_arrive(bars.q_empty);
+  }
+  shape_scores<Cfg>(s, p, t, row_lo + c.lane.row0, nb * Cfg::kBlockN + c.lane.col0,
+                    block_needs_mask<Cfg>(p, t, row_lo, nb));
+}
+
+// O += P V (V in `stage`) has landed: O and the fragments are free, and so is the V stage.
+template <class Cfg>
+__device__ __forceinline__ void take_output(const BarrierAddresses& bars, const ConsumerState& c,
+                                            int stage, float (&o)[Cfg::kHeadDim / 2],
+                                            uint32_t (&pa)[Cfg::kBlockN / 16][4]) {
+  fence_registers(o);
+  fence_registers(pa);
+  if (c.warp_leader) mbarrier_arrive(bars.v_empty + 8 * stage);
+}
+
 // One tile: S = Q K^T, online softmax and O += P V over its key blocks (last first), then the
 // output. o / s / pa are the warpgroup's register tiles.
 template <class Cfg>
@@ -632,10 +671,11 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
                                              float (&o)[Cfg::kHeadDim / 2],
                                              float (&s)[Cfg::kBlockN / 2],
                                              uint32_t (&pa)[Cfg::kBlockN / 16][4]) {
-  constexpr int kBlockN = Cfg::kBlockN;
   constexpr int kStages = Cfg::kStages;
   const int row_lo = t.m_block * Cfg::kBlockM + c.warpgroup * 64;  // this warpgroup's rows
-  const int row = row_lo + c.lane.row0;
+  const auto k_tile = [&](int stage) { return smem + Cfg::kKOffset + stage * Cfg::kKVBytes; };
+  const auto v_tile = [&](int stage) { return smem + Cfg::kVOffset + stage * Cfg::kKVBytes; };
+  const auto phase = [](int block) { return uint32_t(block / kStages) & 1; };
   RowStats st = {{-INFINITY, -INFINITY}, {0.f, 0.f}};
 #pragma unroll
   for (int i = 0; i < Cfg::kHeadDim / 2; ++i) o[i] = 0.f;
@@ -648,20 +688,13 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     {
       const int nb = t.n_max - 1;
       const int stage = c.block_count % kStages;
-      mbarrier_wait(bars.k_full + 8 * stage, (c.block_count / kStages) & 1);
-      named_barrier_sync(c.my_barrier, 256);
-      wgmma_fence();
-      issue_qk<Cfg>(c.q_rows, smem + Cfg::kKOffset + stage * Cfg::kKVBytes, s);
-      wgmma_commit();
-      named_barrier_arrive(c.next_barrier, 256);
+      mbarrier_wait(bars.k_full + 8 * stage, phase(c.block_count));
+      issue_in_turn(c, [&] {
+        issue_qk<Cfg>(c.q_rows, k_tile(stage), s);
+        wgmma_commit();
+      });
       wgmma_wait<0>();
-      fence_registers(s);
-      if (c.warp_leader) {
-        mbarrier_arrive(bars.k_empty + 8 * stage);
-        if (nb == t.n_min) mbarrier_arrive(bars.q_empty);
-      }
-      shape_scores<Cfg>(s, p, t, row, nb * kBlockN + c.lane.col0,
-                        block_needs_mask<Cfg>(p, t, row_lo, nb));
+      take_scores<Cfg>(p, t, bars, c, stage, nb, row_lo, s);
       online_softmax<Cfg, true>(s, st, p.scale_log2, o_scale);
       probabilities_to_fragments<Cfg>(s, pa);
       ++c.block_count;
@@ -670,49 +703,33 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     for (int nb = t.n_max - 2; nb >= t.n_min; --nb, ++c.block_count) {
       const int stage = c.block_count % kStages;
       const int prev = (c.block_count - 1) % kStages;
-      mbarrier_wait(bars.k_full + 8 * stage, (c.block_count / kStages) & 1);
-      mbarrier_wait(bars.v_full + 8 * prev, ((c.block_count - 1) / kStages) & 1);
-      named_barrier_sync(c.my_barrier, 256);
-      wgmma_fence();
-      issue_qk<Cfg>(c.q_rows, smem + Cfg::kKOffset + stage * Cfg::kKVBytes, s);
-      wgmma_commit();
-      issue_pv<Cfg>(pa, smem + Cfg::kVOffset + prev * Cfg::kKVBytes, o);
-      wgmma_commit();
-      named_barrier_arrive(c.next_barrier, 256);
-
+      mbarrier_wait(bars.k_full + 8 * stage, phase(c.block_count));
+      mbarrier_wait(bars.v_full + 8 * prev, phase(c.block_count - 1));
+      issue_in_turn(c, [&] {
+        issue_qk<Cfg>(c.q_rows, k_tile(stage), s);
+        wgmma_commit();
+        issue_pv<Cfg>(pa, v_tile(prev), o);
+        wgmma_commit();
+      });
       wgmma_wait<1>();  // S_j done, PV_{j+1} may still run
-      fence_registers(s);
-      if (c.warp_leader) {
-        mbarrier_arrive(bars.k_empty + 8 * stage);
-        if (nb == t.n_min) mbarrier_arrive(bars.q_empty);
-      }
-      shape_scores<Cfg>(s, p, t, row, nb * kBlockN + c.lane.col0,
-                        block_needs_mask<Cfg>(p, t, row_lo, nb));
+      take_scores<Cfg>(p, t, bars, c, stage, nb, row_lo, s);
       online_softmax<Cfg, false>(s, st, p.scale_log2, o_scale);
-
-      wgmma_wait<0>();  // PV_{j+1} done: O and the old fragments are free
-      fence_registers(o);
-      fence_registers(pa);
-      if (c.warp_leader) mbarrier_arrive(bars.v_empty + 8 * prev);
+      wgmma_wait<0>();
+      take_output<Cfg>(bars, c, prev, o, pa);
       rescale_output<Cfg>(o, o_scale);
       probabilities_to_fragments<Cfg>(s, pa);
     }
     // Last PV.
-    {
-      const int prev = (c.block_count - 1) % kStages;
-      mbarrier_wait(bars.v_full + 8 * prev, ((c.block_count - 1) / kStages) & 1);
-      named_barrier_sync(c.my_barrier, 256);
-      wgmma_fence();
-      issue_pv<Cfg>(pa, smem + Cfg::kVOffset + prev * Cfg::kKVBytes, o);
+    const int prev = (c.block_count - 1) % kStages;
+    mbarrier_wait(bars.v_full + 8 * prev, phase(c.block_count - 1));
+    issue_in_turn(c, [&] {
+      issue_pv<Cfg>(pa, v_tile(prev), o);
       wgmma_commit();
-      named_barrier_arrive(c.next_barrier, 256);
-      wgmma_wait<0>();
-      fence_registers(o);
-      fence_registers(pa);
-      if (c.warp_leader) mbarrier_arrive(bars.v_empty + 8 * prev);
-    }
+    });
+    wgmma_wait<0>();
+    take_output<Cfg>(bars, c, prev, o, pa);
   }
-  store_output<Cfg>(p, t, row, c.lane.col0, o, st, c.lane.col0 == 0);
+  store_output<Cfg>(p, t, row_lo + c.lane.row0, c.lane.col0, o, st, c.lane.col0 == 0);
 }
 
 template <class Cfg>
@@ -780,29 +797,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
 // ------------------------------------------------------------------------------------------
 
 // Tile shapes per head dim (FlashAttention-3's choices where they fit this kernel's layout).
-// JAX_FLASH_V3_ALT_TILES (experiment builds only) swaps in the alternatives being measured.
-template <typename Element, int kHeadDim, bool kConditionalRescale, int kExp2EmulationPeriod>
+// kTall: head dim 64 also has a 192-row tile (three consumer warpgroups), see use_tall_tile.
+template <typename Element, int kHeadDim, bool kTall, bool kConditionalRescale,
+          int kExp2EmulationPeriod>
 struct ConfigFor;
-template <typename Element, bool R, int E>
-struct ConfigFor<Element, 64, R, E> {
-#ifdef JAX_FLASH_V3_ALT_TILES
-  using type = Config<Element, 64, 128, 3, R, E>;
-#else
-  using type = Config<Element, 64, 128, 2, R, E>;
-#endif
+template <typename Element, bool kTall, bool R, int E>
+struct ConfigFor<Element, 64, kTall, R, E> {
+  using type = Config<Element, 64, 128, kTall ? 3 : 2, R, E>;
 };
 template <typename Element, bool R, int E>
-struct ConfigFor<Element, 128, R, E> {
-#ifdef JAX_FLASH_V3_ALT_TILES
-  using type = Config<Element, 128, 176, 2, R, E>;
-#else
+struct ConfigFor<Element, 128, false, R, E> {
   using type = Config<Element, 128, 128, 2, R, E>;
-#endif
 };
 template <typename Element, bool R, int E>
-struct ConfigFor<Element, 256, R, E> {
+struct ConfigFor<Element, 256, false, R, E> {
   using type = Config<Element, 256, 80, 2, R, E>;
 };
+
+// Head dim 64: the 192-row tile is faster on long sequences (T = 16384: +19% non-causal, +10%
+// causal) and slower on short or causal ones, where its partial and diagonal tiles waste more
+// (T = 1024 causal: -13%); measured in docs/perf-notes-v3.md.
+bool use_tall_tile(const ForwardArgs& a) {
+  const bool causal_like = a.spec.is_causal || a.spec.window_right >= 0;
+  return a.shape.head_dim == 64 && a.shape.q_len >= (causal_like ? 8192 : 2048);
+}
 
 // The switches the library runs per head dim (measured in docs/perf-notes-v3.md).
 template <int kHeadDim>
@@ -922,35 +940,36 @@ cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Launches the instantiation of (Element, kHeadDim) compiled for `tuning`: the head dim's
-// default, plus (bf16, JAX_FLASH_V3_TUNING_VARIANTS builds) every switch combination.
-template <typename Element, int kHeadDim>
+// Launches the instantiation of (Element, kHeadDim, kTall) compiled for `tuning`: the head
+// dim's default, plus (bf16, JAX_FLASH_V3_TUNING_VARIANTS builds) every switch combination.
+template <typename Element, int kHeadDim, bool kTall>
 cudaError_t launch_tuned(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
                          cudaStream_t stream) {
   using D = DefaultTuning<kHeadDim>;
   if (tuning.conditional_rescale == D::kConditionalRescale &&
       tuning.exp2_emulation_period == D::kExp2EmulationPeriod) {
-    using Cfg = typename ConfigFor<Element, kHeadDim, D::kConditionalRescale,
+    using Cfg = typename ConfigFor<Element, kHeadDim, kTall, D::kConditionalRescale,
                                    D::kExp2EmulationPeriod>::type;
     return launch<Cfg>(a, sm_count, stream);
   }
 #ifdef JAX_FLASH_V3_TUNING_VARIANTS
-  constexpr int kVariantEmulationPeriod = 4;  // the period tests/gpu/harness_v3.cu measures
+  constexpr int kPeriod = 4;  // the emulation period tests/gpu/harness_v3.cu measures
   if constexpr (std::is_same_v<Element, __nv_bfloat16>) {
-    if (tuning.exp2_emulation_period != 0 &&
-        tuning.exp2_emulation_period != kVariantEmulationPeriod) {
+    if (tuning.exp2_emulation_period != 0 && tuning.exp2_emulation_period != kPeriod) {
       return cudaErrorNotSupported;
     }
     const bool emulated = tuning.exp2_emulation_period != 0;
     if (tuning.conditional_rescale && emulated)
-      return launch<typename ConfigFor<Element, kHeadDim, true, kVariantEmulationPeriod>::type>(
+      return launch<typename ConfigFor<Element, kHeadDim, kTall, true, kPeriod>::type>(
           a, sm_count, stream);
     if (tuning.conditional_rescale)
-      return launch<typename ConfigFor<Element, kHeadDim, true, 0>::type>(a, sm_count, stream);
+      return launch<typename ConfigFor<Element, kHeadDim, kTall, true, 0>::type>(a, sm_count,
+                                                                               stream);
     if (emulated)
-      return launch<typename ConfigFor<Element, kHeadDim, false, kVariantEmulationPeriod>::type>(
+      return launch<typename ConfigFor<Element, kHeadDim, kTall, false, kPeriod>::type>(
           a, sm_count, stream);
-    return launch<typename ConfigFor<Element, kHeadDim, false, 0>::type>(a, sm_count, stream);
+    return launch<typename ConfigFor<Element, kHeadDim, kTall, false, 0>::type>(a, sm_count,
+                                                                              stream);
   }
 #endif
   return cudaErrorNotSupported;
@@ -960,9 +979,11 @@ template <typename Element>
 cudaError_t dispatch_head_dim(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
                               cudaStream_t stream) {
   switch (a.shape.head_dim) {
-    case 64: return launch_tuned<Element, 64>(a, tuning, sm_count, stream);
-    case 128: return launch_tuned<Element, 128>(a, tuning, sm_count, stream);
-    case 256: return launch_tuned<Element, 256>(a, tuning, sm_count, stream);
+    case 64:
+      return use_tall_tile(a) ? launch_tuned<Element, 64, true>(a, tuning, sm_count, stream)
+                              : launch_tuned<Element, 64, false>(a, tuning, sm_count, stream);
+    case 128: return launch_tuned<Element, 128, false>(a, tuning, sm_count, stream);
+    case 256: return launch_tuned<Element, 256, false>(a, tuning, sm_count, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import pkgutil
+import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -35,11 +36,14 @@ class ModelConfig:
 def load_corpus(max_bytes: int = 2_000_000) -> np.ndarray:
   """ASCII bytes of the docstrings of the standard library's top-level modules."""
   texts, size = [], 0
-  for info in sorted(pkgutil.iter_modules(), key=lambda m: m.name):
-    if info.name.startswith("_") or info.name in ("this", "antigravity", "idlelib", "tkinter"):
+  skip = {"this", "antigravity", "idlelib", "tkinter", "turtle", "turtledemo"}
+  for name in sorted(sys.stdlib_module_names):
+    if name.startswith("_") or name in skip:
       continue
     try:
-      doc = importlib.import_module(info.name).__doc__ or ""
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        doc = importlib.import_module(name).__doc__ or ""
     except Exception:  # a module that cannot be imported here contributes nothing
       continue
     texts.append(doc)
@@ -64,7 +68,7 @@ def init_params(config: ModelConfig, key) -> dict:
       wo=dense((config.num_heads * h, d), d),
       w1=dense((d, 4 * d), d), w2=dense((4 * d, d), 4 * d),
   ) for _ in range(config.num_layers)]
-  return dict(embed=dense((config.vocab, d), 1.0), pos=dense((config.seq_len, d), 1.0) * 0.1,
+  return dict(embed=dense((config.vocab, d), d), pos=dense((config.seq_len, d), 1.0) * 0.1,
               layers=layers, ln_f=jnp.ones(d))
 
 

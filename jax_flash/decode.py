@@ -302,4 +302,11 @@ def _gather_decode(call: _Call, query, k_cache, v_cache, lengths, block_table, k
   return out, lse.astype(jnp.float32), k_cache, v_cache
 
 
-__all__ = ["flash_decode", "IMPLEMENTATIONS"]
+def default_implementation(dtype, head_dim: int) -> str:
+  """The implementation flash_decode(implementation=None) takes for this dtype and head dim on
+  the default backend (for typical sizes)."""
+  probe = _Call(1, 1, 1, 1, head_dim, 1, False, False, 1.0, 0.0, -1, 0)
+  return "cuda" if _cuda_unavailable_reason(probe, dtype) is None else "gather"
+
+
+__all__ = ["flash_decode", "default_implementation", "IMPLEMENTATIONS"]

@@ -40,9 +40,9 @@ def attention_fn(query, key, value, bias=None, mask=None, *, broadcast_dropout=T
 
   query [batch..., T, N, H], key / value [batch..., S, K, H] (K may divide N: GQA);
   bias / mask broadcastable to [batch..., N, T, S]; like Flax, a mask entry keeps its score when
-  it is nonzero (Flax's masks are often float 0/1). The keyword arguments
-  after `is_causal` are jax_flash's (see `jax_flash.flash_attention`); bind them with
-  functools.partial to use them from a Flax module.
+  it is nonzero (Flax's masks are often float 0/1). The keyword arguments after `is_causal` are
+  jax_flash's (see `jax_flash.flash_attention`); bind them with functools.partial to use them
+  from a Flax module.
   """
   del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
   _refuse_unsupported(dropout_rate, deterministic, module, qk_attn_weights_einsum,
@@ -54,9 +54,10 @@ def attention_fn(query, key, value, bias=None, mask=None, *, broadcast_dropout=T
     raise ValueError(f"key and value must share the batch dims {batch_shape} of query; got "
                      f"key {key.shape}, value {value.shape}")
   fold = lambda x: x.reshape((math.prod(batch_shape),) + x.shape[-3:])
+  mask = None if mask is None else mask.astype(bool)
   out = flash_attention(
       fold(query), fold(key), fold(value), _fold_scores(bias, batch_shape, "bias"),
-      _fold_scores(None if mask is None else mask.astype(bool), batch_shape, "mask"), scale=scale, is_causal=is_causal,
+      _fold_scores(mask, batch_shape, "mask"), scale=scale, is_causal=is_causal,
       query_seq_lengths=_fold_lengths(query_seq_lengths, batch_shape),
       key_value_seq_lengths=_fold_lengths(key_value_seq_lengths, batch_shape),
       local_window_size=local_window_size, softcap=softcap, schedule=schedule)

@@ -62,8 +62,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, layout="zig
   shape = check_qkv(query, key, value)
   check_seq_lengths("query_seq_lengths", query_seq_lengths, shape.batch, shape.q_len)
   check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, shape.batch, shape.kv_len)
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+  _check_layout(layout)
   if not isinstance(is_causal, (bool, np.bool_)):
     raise ValueError(f"is_causal must be a Python bool; got {type(is_causal).__name__}")
   _check_block_lengths(shape, bool(is_causal), layout)
@@ -82,8 +81,7 @@ def to_layout(x, num_shards: int, layout: str = "zigzag", axis: int = 1):
   """Reorder a global array from natural token order along `axis` so that splitting it into
   `num_shards` equal contiguous blocks (what NamedSharding does) gives each device its block of
   `layout`. Identity for "contiguous"."""
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+  _check_layout(layout)
   if layout == "contiguous":
     return x
   return jnp.take(x, _zigzag_order(x.shape[axis], num_shards), axis=axis)
@@ -91,11 +89,15 @@ def to_layout(x, num_shards: int, layout: str = "zigzag", axis: int = 1):
 
 def from_layout(x, num_shards: int, layout: str = "zigzag", axis: int = 1):
   """Inverse of `to_layout`: back to natural token order."""
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+  _check_layout(layout)
   if layout == "contiguous":
     return x
   return jnp.take(x, np.argsort(_zigzag_order(x.shape[axis], num_shards)), axis=axis)
+
+
+def _check_layout(layout):
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
 
 
 def _zigzag_order(length: int, num_shards: int) -> np.ndarray:

@@ -5,11 +5,11 @@ the call becomes one custom partitioning op whose Shardy `sharding_rule` (and, f
 partitioner, `infer_sharding_from_operands` / `propagate_user_sharding`) tells the compiler how
 its dimensions may be split, and whose `partition` callback returns the per-device computation:
 
-- batch (B) and heads: every device runs the kernel on its own shard, no collective. Query heads
-  are the compound factor (kv_head, group) with `group` needing replication, so a head split
-  always keeps the query heads of one kv head together (GQA groups whole); query and kv heads
-  split on the same mesh axes. Sequence lengths follow B; bias / mask follow B and N on the
-  dims where they are full (broadcast dims of size 1 are their own factors).
+- batch (B) and heads: every device runs the kernel on its own shard, no collective. Query and
+  kv heads split on the same mesh axes, and only on axes whose size divides the kv heads, so
+  the query heads of one kv head stay together (GQA groups whole); see `_head_factors`.
+  Sequence lengths follow B; bias / mask follow B and N on the dims where they are full
+  (broadcast dims of size 1 are factors of their own and never split).
 - sequence (T = S, self-attention without bias, mask or window): query and key sequence share
   one factor, so sharding either shards both, and `partition` runs ring attention
   (`jax_flash.ring`) over those mesh axes: ppermutes of K/V only. A causal call is reordered
@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor,
                                                   SdyShardingRule, custom_partitioning)
+from jax.interpreters.mlir import ir
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, auto_axes
 
 from jax_flash._config import AttentionConfig
@@ -41,7 +42,6 @@ _ROLES = {
     "backward": (("q", "kv", "kv", "bias", "mask", "lengths", "lengths", "q", "lse", "q"),
                  ("q", "kv", "kv", "dbias")),
 }
-_BROADCAST_ROLES = ("bias", "mask", "dbias")
 _DUMMY_SHAPE = (1, 1, 1, 1)
 
 
@@ -77,8 +77,11 @@ def _vary_like(inputs, results):
 
 def _varying_axes(x) -> frozenset:
   aval = jax.typeof(x)
-  manual = getattr(aval, "mat", None)  # jax >= 0.10; earlier releases call it `vma`
-  return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+  for name in ("mat", "manual_axis_type"):  # jax 0.10 spells it so; earlier releases `vma`
+    manual = getattr(aval, name, None)
+    if hasattr(manual, "varying"):
+      return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()))
 
 
 def _cast_varying(x, axes: tuple):
@@ -223,7 +226,6 @@ def _sharding_rule(kind, schedule, config, mesh, operand_types, result_types):
 
 
 def _type_shape(mlir_type) -> tuple:
-  from jax._src.lib.mlir import ir  # the MLIR types jax hands to sharding rules
   return tuple(ir.RankedTensorType(mlir_type).shape)
 
 

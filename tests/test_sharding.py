@@ -58,8 +58,18 @@ def _mesh(shape=(2, 4), names=("x", "y"), axis_type=AxisType.Auto):
   return jax.make_mesh(tuple(shape), names, axis_types=(axis_type,) * len(names))
 
 
-def _normal(rng, *shape):
-  return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+def _dtype() -> str:
+  """float32 on the CPU kernel; the GPU kernels take bfloat16 / float16 only."""
+  return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+# Relative L2 distance allowed between a sharded call and the unsharded one: the ring merges
+# per-block outputs that the kernel rounded to the input dtype.
+_VS_UNSHARDED = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+def _normal(rng, *shape, dtype=None):
+  return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype or _dtype())
 
 
 def _collectives(jitted, *args) -> set:
@@ -85,18 +95,18 @@ def _loss_and_grads(attention, dout):
 
 def _assert_matches_reference(out, grads, q, k, v, dout, **kw):
   want_out, _ = reference.attention_forward_f64(as_f64(q), as_f64(k), as_f64(v), **kw)
-  np.testing.assert_allclose(as_f64(out), want_out, atol=OUT_ATOL["float32"], rtol=0)
+  np.testing.assert_allclose(as_f64(out), want_out, atol=OUT_ATOL[_dtype()], rtol=0)
   want_grads = reference.attention_backward_f64(as_f64(q), as_f64(k), as_f64(v), as_f64(dout),
                                                 **kw)[:3]
   for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads):
     error = relative_l2(got, want)
-    assert error < GRAD_REL["float32"], f"{name} relative L2 error {error}"
+    assert error < GRAD_REL[_dtype()], f"{name} relative L2 error {error}"
 
 
 def _assert_close_to_unsharded(got, want, what):
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    error = float(np.max(np.abs(np.asarray(g) - np.asarray(w))))
-    assert error < 2e-5, f"{what}: max |sharded - unsharded| = {error}"
+    error = relative_l2(g, as_f64(w))
+    assert error < _VS_UNSHARDED[_dtype()], f"{what}: relative L2 to unsharded {error}"
 
 
 def _sharded_case(mesh, q_spec, kv_spec, *, n, k, is_causal=False, lengths=False, b=4, t=32,
@@ -122,8 +132,15 @@ def _sharded_case(mesh, q_spec, kv_spec, *, n, k, is_causal=False, lengths=False
   for what, jitted in (("forward", jit_forward), ("backward", jit_grads)):
     found = _collectives(jitted, *sharded)
     assert found <= set(allowed), f"{what} HLO has collectives {sorted(found - set(allowed))}"
-  padded = lambda spec: tuple(spec) + (None,) * (4 - len(tuple(spec)))
-  assert padded(out.sharding.spec) == padded(q_spec), f"output sharded {out.sharding.spec}"
+  assert _split_axes(out.sharding.spec, mesh) == _split_axes(q_spec, mesh), (
+      f"output sharded {out.sharding.spec}, query {q_spec}")
+
+
+def _split_axes(spec, mesh):
+  """Per dim of a 4-D array, the mesh axes of size > 1 splitting it."""
+  entries = tuple(spec) + (None,) * (4 - len(tuple(spec)))
+  as_tuple = lambda e: () if e is None else (e,) if isinstance(e, str) else tuple(e)
+  return tuple(tuple(a for a in as_tuple(e) if mesh.shape[a] > 1) for e in entries)
 
 
 # -- the checks ----------------------------------------------------------------------------------
@@ -157,7 +174,7 @@ def broadcast_bias_and_mask_follow_batch_and_heads():
   rng, mesh = _rng(), _mesh()
   b, t, n, h = 4, 24, 8, 16
   q, k, v, dout, _, _ = _attention_case(rng, b, t, t, n, n, h)
-  bias = _normal(rng, 1, n, t, t)
+  bias = _normal(rng, 1, n, t, t, dtype="float32")
   mask = jnp.asarray(rng.random((b, 1, 1, t)) > 0.3).at[:, :, :, 0].set(True)
   forward, grads = _loss_and_grads(
       lambda q, k, v, bias, mask: jax_flash.flash_attention(q, k, v, bias, mask), dout)
@@ -198,7 +215,7 @@ def ring_over_two_mesh_axes_with_head_split():
 def sequence_split_with_a_bias_is_gathered():
   rng, mesh = _rng(), _mesh((8,), ("x",))
   q, k, v, dout, _, _ = _attention_case(rng, 2, 16, 16, 4, 4, 8)
-  bias = _normal(rng, 1, 4, 16, 16)
+  bias = _normal(rng, 1, 4, 16, 16, dtype="float32")
   forward, grads = _loss_and_grads(
       lambda q, k, v: jax_flash.flash_attention(q, k, v, bias, is_causal=True), dout)
   seq = NamedSharding(mesh, P(None, "x"))
@@ -317,7 +334,7 @@ def rng():
 
 
 @pytest.mark.parametrize("name", list(_CHECKS))
-def test_on_8_devices(multi_device_results, name):
+def test_on_multiple_devices(multi_device_results, name):
   assert multi_device_results[name] == "ok", multi_device_results[name]
 
 

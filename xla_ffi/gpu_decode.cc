@@ -304,6 +304,17 @@ ffi::Error AppendForwardImpl(cudaStream_t stream, InBuffer q, InBuffer k_cache_i
   return Launch(kTarget, stream, args, args.capacity + args.q_len, max_splits, num_splits);
 }
 
+// q, k_cache, v_cache, cache_seqlens, block_table.
+template <typename Binding>
+auto BindCacheInputs(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>();
+}
+
 template <typename Binding>
 auto BindCacheAttrs(Binding&& binding) {
   return std::forward<Binding>(binding)
@@ -322,26 +333,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashDecodeForward, StandardForwardImpl,
                                   .Ret<ffi::AnyBuffer>()    // partial_lse
                                   .Ret<ffi::AnyBuffer>());  // counters
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashDecodeCacheForward, CacheForwardImpl,
-                              BindCacheAttrs(ffi::Ffi::Bind()
-                                                 .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                 .Arg<ffi::AnyBuffer>()   // q
-                                                 .Arg<ffi::AnyBuffer>()   // k_cache
-                                                 .Arg<ffi::AnyBuffer>()   // v_cache
-                                                 .Arg<ffi::AnyBuffer>()   // cache_seqlens
-                                                 .Arg<ffi::AnyBuffer>())  // block_table
+                              BindCacheAttrs(BindCacheInputs(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()))
                                   .Ret<ffi::AnyBuffer>()    // out
                                   .Ret<ffi::AnyBuffer>()    // lse
                                   .Ret<ffi::AnyBuffer>()    // partial_out
                                   .Ret<ffi::AnyBuffer>()    // partial_lse
                                   .Ret<ffi::AnyBuffer>());  // counters
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashDecodeAppendForward, AppendForwardImpl,
-                              BindCacheAttrs(ffi::Ffi::Bind()
-                                                 .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                 .Arg<ffi::AnyBuffer>()   // q
-                                                 .Arg<ffi::AnyBuffer>()   // k_cache
-                                                 .Arg<ffi::AnyBuffer>()   // v_cache
-                                                 .Arg<ffi::AnyBuffer>()   // cache_seqlens
-                                                 .Arg<ffi::AnyBuffer>()   // block_table
+                              BindCacheAttrs(BindCacheInputs(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
                                                  .Arg<ffi::AnyBuffer>()   // k_new
                                                  .Arg<ffi::AnyBuffer>())  // v_new
                                   .Ret<ffi::AnyBuffer>()    // k_cache (aliases input 1)

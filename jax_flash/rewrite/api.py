@@ -75,6 +75,11 @@ def fuse(fn, *, schedule: str = "auto"):
   configs) is a trace-time constant, as with jit's static arguments. `schedule` is passed to
   every kernel call. See `explain` for what is fused and why not.
   """
+  if not callable(fn):
+    raise ValueError(f"fn must be callable; got {type(fn).__name__}")
+  if not isinstance(schedule, str):
+    raise ValueError(f"schedule must be a string ('auto' or a name from jax_flash.schedules()); "
+                     f"got {type(schedule).__name__}")
   options = Options(schedule)
   cache = collections.OrderedDict()
 

@@ -1,9 +1,11 @@
 """The jax internals the rewrite pass relies on, in one place (checked against jax 0.10 and 0.11).
 
 Everything else in the pass reads jaxprs through these names only: the Literal / Var / jaxpr
-classes of `jax.extend.core`, `Primitive.get_bind_params` (which returned `(subfuns, params)`
-in older jax and returns one params dict now), and the primitive names of the higher-order
-primitives whose bodies the pass descends into.
+classes of `jax.extend.core` (jax 0.11 made ClosedJaxpr an alias of Jaxpr, which carries its
+constants; `.jaxpr`, `.consts`, `.constvars`, `.invars` read the same in both),
+`Primitive.get_bind_params` (which returned `(subfuns, params)` in older jax and returns one
+params dict now), and the primitive names of the higher-order primitives whose bodies the pass
+descends into.
 """
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import jax
 from jax.extend import core as jex_core
 
 Literal = jex_core.Literal
-Var = jex_core.Var
 Jaxpr = jex_core.Jaxpr
 ClosedJaxpr = jex_core.ClosedJaxpr
 
@@ -57,6 +58,17 @@ def is_plain_jit(params: dict) -> bool:
           and not any(params.get("donated_invars", ()))
           and all(layout is None for layout in layouts)
           and not params.get("compiler_options_kvs", ()))
+
+
+def is_open_jaxpr(jaxpr) -> bool:
+  """A jaxpr param that may not carry constants (jax 0.10's Jaxpr; since jax 0.11 every Jaxpr
+  is also a ClosedJaxpr and carries its own)."""
+  return ClosedJaxpr is not Jaxpr and isinstance(jaxpr, Jaxpr) and not isinstance(jaxpr,
+                                                                                 ClosedJaxpr)
+
+
+def as_closed(jaxpr):
+  return jaxpr if isinstance(jaxpr, ClosedJaxpr) else ClosedJaxpr(jaxpr, ())
 
 
 def jaxpr_params(params: dict):

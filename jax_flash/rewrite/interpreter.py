@@ -107,7 +107,7 @@ class Plan:
         continue
       subs = {}
       for key, index, jaxpr in compat.jaxpr_params(node.params):
-        closed = jaxpr if isinstance(jaxpr, compat.ClosedJaxpr) else compat.ClosedJaxpr(jaxpr, ())
+        closed = compat.as_closed(jaxpr)
         if not all(hasattr(a, "shape") for a in closed.in_avals):
           continue
         name = node.params.get("name")
@@ -220,7 +220,7 @@ def _bind_rewritten(eqn, subs: dict, invals):
     structs = [compat.shape_struct(a) for a in plan.closed_jaxpr.in_avals]
     new = jax.make_jaxpr(lambda *a, plan=plan: plan.emit(a))(*structs)
     original = eqn.params[key] if index is None else eqn.params[key][index]
-    if isinstance(original, compat.Jaxpr):
+    if compat.is_open_jaxpr(original):
       if new.consts:
         raise NotImplementedError(f"cannot re-emit `{eqn.primitive.name}` with constants")
       new = new.jaxpr

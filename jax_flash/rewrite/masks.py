@@ -9,7 +9,7 @@ indices. `keep_of` evaluates the mask's defining subgraph over a small abstract 
   Ind    a boolean used as a 0/1 number                     (mask.astype(f32), then != 0)
   Pred   a conjunction of atoms                             (comparisons, &, ~, where)
 
-Atoms are `Le(lin)` (lin <= 0), `LeT(lin, tensor, sign)` and `Tensor(value)` (an opaque boolean
+Atoms are `Le(expr)` (expr <= 0, expr a Lin or LinT) and `Tensor(value)` (an opaque boolean
 array, kept as a mask operand). `classify` turns a conjunction into the kernel's vocabulary:
 a band lo <= s - t <= hi (causal, sliding window), static or per-batch key/query lengths, and
 mask tensors. Anything outside the domain becomes a `Tensor` atom of the smallest subexpression
@@ -80,14 +80,8 @@ class LinT:
 
 @dataclasses.dataclass(frozen=True)
 class Le:
-  lin: Lin
-
-
-@dataclasses.dataclass(frozen=True)
-class LeT:
-  lin: Lin
-  tensor: Opaque
-  sign: int
+  """expr <= 0, expr a Lin or a LinT."""
+  expr: object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,9 +119,7 @@ def _negate(pred: Pred):
     return None                       # a disjunction: outside the domain
   (atom,) = pred.atoms
   if isinstance(atom, Le):            # not (x <= 0)  <=>  -x + 1 <= 0 over the integers
-    return Pred(frozenset({Le(atom.lin.times(-1).plus(Lin(const=1)))}))
-  if isinstance(atom, LeT):
-    return Pred(frozenset({LeT(atom.lin.times(-1).plus(Lin(const=1)), atom.tensor, -atom.sign)}))
+    return Pred(frozenset({Le(_shift(_flip(atom.expr), 1))}))
   return Pred(frozenset({Tensor(atom.tensor, not atom.negated)}))
 
 
@@ -265,20 +257,25 @@ def _as_number(sym):
   return sym
 
 
+def _combine(a, b, sign: int):
+  """a + sign * b as Lin or LinT (at most one tensor term), or None outside the domain."""
+  if isinstance(a, Lin) and isinstance(b, Lin):
+    return a.plus(b, sign)
+  if isinstance(a, Lin) and isinstance(b, Opaque):
+    return LinT(a, b, sign)
+  if isinstance(a, Opaque) and isinstance(b, Lin):
+    return LinT(b.times(sign), a, 1)
+  if isinstance(a, LinT) and isinstance(b, Lin):
+    return LinT(a.lin.plus(b, sign), a.tensor, a.sign)
+  if isinstance(a, Lin) and isinstance(b, LinT):
+    return LinT(a.plus(b.lin, sign), b.tensor, sign * b.sign)
+  return None
+
+
 def _add_like(sign):
   def rule(reader, node, labels):
     a, b = (_as_number(s) for s in _operands(reader, node, labels))
-    if isinstance(a, Lin) and isinstance(b, Lin):
-      return a.plus(b, sign)
-    if isinstance(a, Lin) and isinstance(b, Opaque):
-      return LinT(a, b, sign)
-    if isinstance(a, Opaque) and isinstance(b, Lin):
-      return LinT(b.times(sign), a, 1)
-    if isinstance(a, LinT) and isinstance(b, Lin):
-      return LinT(a.lin.plus(b, sign), a.tensor, a.sign)
-    if isinstance(a, Lin) and isinstance(b, LinT):
-      return LinT(a.plus(b.lin, sign), b.tensor, sign * b.sign)
-    return None
+    return _combine(a, b, sign)
   return rule
 
 
@@ -300,32 +297,14 @@ def _neg(reader, node, labels):
   return a.times(-1) if isinstance(a, Lin) else None
 
 
-def _difference(a, b):
-  """a - b as Lin or LinT, or None outside the domain."""
-  if isinstance(a, Lin) and isinstance(b, Lin):
-    return a.plus(b, -1)
-  if isinstance(a, Lin) and isinstance(b, Opaque):
-    return LinT(a, b, -1)
-  if isinstance(a, Opaque) and isinstance(b, Lin):
-    return LinT(b.times(-1), a, 1)
-  if isinstance(a, LinT) and isinstance(b, Lin):
-    return LinT(a.lin.plus(b, -1), a.tensor, a.sign)
-  if isinstance(a, Lin) and isinstance(b, LinT):
-    return LinT(a.plus(b.lin, -1), b.tensor, -b.sign)
-  return None
-
-
 def _le_zero(diff) -> Pred:
-  if isinstance(diff, Lin):
-    if not diff.coeffs:
-      return TRUE if diff.const <= 0 else FALSE
-    return Pred(frozenset({Le(diff)}))
-  return Pred(frozenset({LeT(diff.lin, diff.tensor, diff.sign)}))
+  if isinstance(diff, Lin) and not diff.coeffs:
+    return TRUE if diff.const <= 0 else FALSE
+  return Pred(frozenset({Le(diff)}))
 
 
 def _shift(diff, k: int):
-  return diff.plus(Lin(const=k)) if isinstance(diff, Lin) else LinT(diff.lin.plus(Lin(const=k)),
-                                                                    diff.tensor, diff.sign)
+  return _combine(diff, Lin(const=k), 1)
 
 
 def _flip(diff):
@@ -341,7 +320,7 @@ def _compare(kind):
       if isinstance(indicator, Ind) and _as_number(other) == Lin(const=0):
         return indicator.pred if kind == "ne" else _negate(indicator.pred)
     a, b = _as_number(a), _as_number(b)
-    diff = _difference(a, b)
+    diff = _combine(a, b, -1)
     if diff is None:
       return None
     if kind == "le":
@@ -474,11 +453,11 @@ def classify(reader: MaskReader, pred: Pred, key_label: str, query_labels) -> Ke
 
 
 def _classify_atom(reader, atom, key_label, query_labels) -> Keep | None:
-  if isinstance(atom, Le):
-    return _classify_linear(atom.lin, key_label, query_labels)
-  if isinstance(atom, LeT):
-    return _classify_length(atom, key_label, query_labels)
-  return _classify_tensor(reader, atom, key_label, query_labels)
+  if isinstance(atom, Tensor):
+    return _classify_tensor(reader, atom, key_label, query_labels)
+  if isinstance(atom.expr, Lin):
+    return _classify_linear(atom.expr, key_label, query_labels)
+  return _classify_length(atom.expr, key_label, query_labels)
 
 
 def _classify_linear(lin: Lin, key_label, query_labels) -> Keep | None:
@@ -507,19 +486,19 @@ def _lower_bound(bound: float) -> Keep | None:
   return Keep() if bound <= 0 else None
 
 
-def _classify_length(atom: LeT, key_label, query_labels) -> Keep | None:
+def _classify_length(expr: LinT, key_label, query_labels) -> Keep | None:
   """a*index + c + sign*T <= 0 with a = 1, sign = -1: index < T + (1 - c)."""
-  coeffs = atom.lin.as_dict()
-  if len(coeffs) != 1 or atom.sign != -1:
+  coeffs = expr.lin.as_dict()
+  if len(coeffs) != 1 or expr.sign != -1:
     return None
   (label, a), = coeffs.items()
   if a != 1:
     return None
-  offset = 1 - atom.lin.const
+  offset = 1 - expr.lin.const
   if label == key_label:
-    return Keep(kv_lengths=[(atom.tensor, offset)])
+    return Keep(kv_lengths=[(expr.tensor, offset)])
   if label in query_labels:
-    return Keep(query=label, q_lengths=[(atom.tensor, offset)])
+    return Keep(query=label, q_lengths=[(expr.tensor, offset)])
   return None
 
 

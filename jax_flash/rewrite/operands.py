@@ -18,7 +18,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_flash.rewrite.graph import Graph, Value
 
@@ -30,6 +29,7 @@ class Operand:
   scale: float = 1.0        # the operand is `scale * source`
   repeat: tuple | None = None   # (label, groups): the labeled dim holds index // groups
   nodes: list = dataclasses.field(default_factory=list)   # the nodes stripped off
+  unrepeated: "Operand | None" = None   # the operand as it was before the repeat was stripped
 
 
 def _unit_reshape_labels(in_shape, out_shape, out_labels):
@@ -86,6 +86,7 @@ def strip(graph: Graph, value: Value, labels: tuple, *, scales: bool = False,
       op.source = x
     elif prim == "reshape" and repeats and op.repeat is None and _repeat_labels(
         graph, node, op.labels) is not None:
+      op.unrepeated = dataclasses.replace(op, nodes=list(op.nodes))
       op.source, op.labels, op.repeat, nodes = _repeat_labels(graph, node, op.labels)
       op.nodes += nodes[:-1]
       node = nodes[-1]

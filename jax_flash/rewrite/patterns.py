@@ -67,18 +67,6 @@ class Site:
   schedule: str = "auto"
   notes: list = dataclasses.field(default_factory=list)
 
-  @property
-  def mask_tensors(self) -> list:
-    return self.keep.tensors
-
-  def inputs(self) -> list[Value]:
-    """Every value the kernel call reads."""
-    values = [self.q.source, self.k.source, self.v.source]
-    values += [b.source for b in self.biases]
-    values += [t.tensor.value for t in self.keep.tensors]
-    values += [t.value for t, _ in self.keep.kv_lengths + self.keep.q_lengths]
-    return values
-
 
 def fill_threshold(dtype) -> float:
   """Fills at or below this are negligible: exp(fill - max) is 0 for any sane row max."""
@@ -99,21 +87,21 @@ def _depends_on_random(value: Value, budget: int = 64) -> bool:
   return False
 
 
-def _dot_labels(node: Node, prefix: str):
+def _dot_labels(node: Node):
   """Labels for a dot_general: (lhs labels, rhs labels, out labels, contracted label)."""
   (lc, rc), (lb, rb) = node.params["dimension_numbers"]
   lhs, rhs = node.inputs
   lhs_labels, rhs_labels = [None] * lhs.aval.ndim, [None] * rhs.aval.ndim
   out = []
   for i, (l, r) in enumerate(zip(lb, rb)):
-    lhs_labels[l] = rhs_labels[r] = f"{prefix}b{i}"
-    out.append(f"{prefix}b{i}")
+    lhs_labels[l] = rhs_labels[r] = f"b{i}"
+    out.append(f"b{i}")
   for i, (l, r) in enumerate(zip(lc, rc)):
-    lhs_labels[l] = rhs_labels[r] = f"{prefix}c{i}"
+    lhs_labels[l] = rhs_labels[r] = f"c{i}"
   for side, labels, name in ((lhs, lhs_labels, "l"), (rhs, rhs_labels, "r")):
     for d in range(side.aval.ndim):
       if labels[d] is None:
-        labels[d] = f"{prefix}{name}{d}"
+        labels[d] = f"{name}{d}"
         out.append(labels[d])
   return tuple(lhs_labels), tuple(rhs_labels), tuple(out), len(lc)
 
@@ -281,7 +269,7 @@ class Matcher:
   # -- axes --
 
   def _structure(self, softmax, qk, pv, p_index, p_perm, ops, region) -> Site:
-    lhs, rhs, x_labels, n_contract = _dot_labels(qk, "")
+    lhs, rhs, x_labels, n_contract = _dot_labels(qk)
     if n_contract != 1:
       raise NoMatch(f"the QK product contracts {n_contract} axes, not one head dim")
     sizes = {}
@@ -305,17 +293,13 @@ class Matcher:
     v_labels, out_labels = self._pv_labels(pv, p_index, p_labels, key, sizes)
     value_head = next(l for l in v_labels if l.startswith("v"))
 
-    self._key_side, self._p_index = key_side, p_index
-    self._k_labels, self._v_labels = k_labels, v_labels
     q_op = operands.strip(self.graph, qk.inputs[1 - key_side], q_labels, scales=True)
     k_op = operands.strip(self.graph, qk.inputs[key_side], k_labels, scales=True,
                           broadcasts=True, repeats=True)
     v_op = operands.strip(self.graph, pv.inputs[1 - p_index], v_labels, broadcasts=True,
                           repeats=True)
-    if (k_op.repeat is None) != (v_op.repeat is None) or k_op.repeat != v_op.repeat:
-      k_op = operands.strip(self.graph, qk.inputs[key_side], k_labels, scales=True,
-                            broadcasts=True)
-      v_op = operands.strip(self.graph, pv.inputs[1 - p_index], v_labels, broadcasts=True)
+    if k_op.repeat != v_op.repeat:
+      k_op, v_op = k_op.unrepeated or k_op, v_op.unrepeated or v_op
 
     biases, mask_sources = [], list(fold.masks)
     for other, labels, sign in fold.biases:
@@ -370,11 +354,13 @@ class Matcher:
     """A bias `where(mask, 0, fill)` with a negligible fill is a mask."""
     stripped = operands.strip(self.graph, other, labels, broadcasts=True)
     node = stripped.source.producer
+    while node is not None and node.prim == "convert_element_type":
+      node = node.inputs[0].producer
     if sign != 1.0 or node is None or node.prim != "select_n" or len(node.inputs) != 3:
       return None
     pred, case_false, case_true = node.inputs
     c_false, c_true = self.graph.scalar(case_false), self.graph.scalar(case_true)
-    pred_labels = masks.operand_labels(pred.shape, stripped.labels, stripped.source.shape)
+    pred_labels = masks.operand_labels(pred.shape, stripped.labels, node.outputs[0].shape)
     for zero, fill, negated in ((c_true, c_false, False), (c_false, c_true, True)):
       if zero == 0.0 and fill is not None and fill <= fill_threshold(dtype):
         return MaskSource(pred, pred_labels, negated, fill)
@@ -393,8 +379,12 @@ class Matcher:
     """Pick the query label (one V does not vary along) and the kernel's B / K / group dims."""
     in_v = set(site.v.labels) | set(self._v_batch)
     candidates = [l for l in query_free if l not in in_v]
-    if not candidates:
+    if query_free and not candidates:
       raise NoMatch("the product with V batches over the query axis")
+    if not candidates:               # one query row per (batch, head): q has no query axis
+      site.query = None
+      _set_groups(site, None)
+      return
     referenced = [s.keep.query for s in site.mask_sources if s.keep.query in candidates]
     if referenced:
       site.query = referenced[0]
@@ -439,10 +429,7 @@ class Matcher:
     label, groups = site.k.repeat
     if not site.kv_heads or site.kv_heads[-1] != label:
       # The repeated heads are not the kernel's innermost kv heads: use the repeated arrays.
-      site.k = operands.strip(self.graph, site.qk.inputs[self._key_side], self._k_labels,
-                              scales=True, broadcasts=True)
-      site.v = operands.strip(self.graph, site.pv.inputs[1 - self._p_index], self._v_labels,
-                              broadcasts=True)
+      site.k, site.v = site.k.unrepeated, site.v.unrepeated
       return
     kv_label = label + "/kv"
     site.sizes[kv_label] = site.sizes[label] // groups
@@ -559,8 +546,11 @@ def _fold_ops(graph: Graph, ops, labels) -> _Fold:
 
 def _set_groups(site: Site, query):
   order = [l for l in site.q.labels if l is not None and l != site.head]
-  position = order.index(query) if query in order else 0
-  before, after = order[:position], order[position + 1:]
+  if query in order:
+    position = order.index(query)
+    before, after = order[:position], order[position + 1:]
+  else:                              # no query axis: the outermost label is the batch
+    before, after = order[:1], order[1:]
   in_kv = {l for op in (site.k, site.v) for l in op.labels if l is not None}
   site.batch_group = before
   site.kv_heads = [l for l in after if l in in_kv]

@@ -46,6 +46,7 @@ class Report:
 
 
 def _letters(site: Site, labels, heads_letter: str) -> str:
+  """The layout of an operand: B T S N K G H letters, 1 for a dim of size one."""
   letters = []
   for label in labels:
     if label is None:
@@ -60,8 +61,8 @@ def _letters(site: Site, labels, heads_letter: str) -> str:
       letters.append("H")
     elif label in site.group_heads:
       letters.append("G")
-    elif site.repeat is not None and label == site.repeat[1]:
-      letters.append("K")
+    elif site.repeat is not None and label in site.repeat:
+      letters.append("N" if label == site.repeat[0] else "K")
     else:
       letters.append(heads_letter)
   return "".join(letters)
@@ -77,7 +78,8 @@ def describe(site: Site) -> dict:
     how = "repeat of K/V heads" if site.repeat else "broadcast of K/V"
     heads += f" query heads over K={kv} kv heads (GQA via {how})"
   form = {
-      "layout": (f"q {_letters(site, site.q.labels, 'N')}, k {_letters(site, site.k.labels, 'K')}"
+      "layout": (f"q {_letters(site, site.q.labels, 'K' if site.group_heads else 'N')}, "
+                 f"k {_letters(site, site.k.labels, 'K')}"
                  f", v {_letters(site, site.v.labels, 'K')} -> kernel BTNH"),
       "heads": heads,
       "scale": f"{site.scale:.6g}",

@@ -34,11 +34,19 @@ def envelope(shape: AttentionShape, config: AttentionConfig) -> str | None:
   return None
 
 
+def _head_dim_capacity(head_dim: int) -> int:
+  """The kernel instantiation a head dim runs in (v1v2_head_dim_capacity in cuda/v1v2.h)."""
+  return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
 def backward_workspaces(shape: AttentionShape, dtype):
-  """dq_accum f32 [B, N, T, H] (dQ summed over key blocks) and dsum f32 [B, N, T] (D)."""
+  """dq_accum f32: per (batch, head), ceil(T / 64) blocks of 64 query rows x the head-dim
+  capacity, in the kernels' fragment order (backward_dq_accum_elements in cuda/v1v2.h); and
+  dsum f32 [B, N, T] (D = rowsum(dout * out))."""
   del dtype
   b, t, n, h = shape.batch, shape.q_len, shape.num_heads, shape.head_dim
-  return (jax.ShapeDtypeStruct((b, n, t, h), jnp.float32),
+  blocks = -(-t // 64)
+  return (jax.ShapeDtypeStruct((b, n, blocks * 64, _head_dim_capacity(h)), jnp.float32),
           jax.ShapeDtypeStruct((b, n, t), jnp.float32))
 
 

@@ -132,6 +132,7 @@ struct Problem {
   float scale = 0.f;  // 0 = 1/sqrt(H)
   DType dtype = DType::kBF16;
   int splits = 1;
+  bool unused_pages_invalid = false;  // table entries past each sequence's keys are -1
 };
 
 struct HostData {
@@ -371,6 +372,12 @@ HostData random_problem_data(const Problem& p, std::mt19937& rng) {
   d.cache_lens = p.cache_lens;
   d.q_lens = p.q_lens;
   make_table(p, d, rng);
+  if (p.unused_pages_invalid)
+    for (int b = 0; b < p.B; ++b) {
+      const int used = (clamped_cache_len(p, d, b) + (p.append ? p.T : 0) + p.page_size - 1) /
+                       p.page_size;
+      for (int j = used; j < d.max_pages; ++j) d.table[size_t(b) * d.max_pages + j] = -1;
+    }
   return d;
 }
 
@@ -417,6 +424,11 @@ std::vector<Problem> small_cases() {
   p.cache_lens = {128, 5, 77}; add(p);
   p.name = "  ... f16 paged 64"; p.dtype = DType::kF16; p.page_size = 64; p.capacity = 1024;
   p.cache_lens = {1000, 97, 1}; add(p);
+  p.name = "  ... paged 16, unused table entries -1"; p.dtype = DType::kBF16; p.page_size = 16;
+  p.unused_pages_invalid = true; add(p);
+  p.name = "  ... paged 256, unused entries -1, T2 window 100"; p.page_size = 256;
+  p.capacity = 2048; p.cache_lens = {2000, 300, 1}; p.T = 2; p.window_left = 100; p.splits = 5;
+  add(p);
   p = Problem();
   p.name = "T4 GQA4 H64 softcap append ragged";
   p.B = 2; p.T = 4; p.N = 8; p.K = 2; p.H = 64; p.capacity = 600;

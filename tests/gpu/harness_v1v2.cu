@@ -6,6 +6,7 @@
 //   harness_v1v2 --quick    a few small cases (for compute-sanitizer)
 //   harness_v1v2 --bench    the benchmark grid's H=128 rows: TFLOP/s of v1 and v2, forward and
 //                           forward+backward (BENCHMARK.md counting), outputs spot-checked
+//   harness_v1v2 --profile  one v2 forward + backward at H=128, T=4096 (for ncu)
 //   --seed N                replay a seed (printed at start)
 //
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_80,code=sm_80
@@ -360,7 +361,9 @@ struct Device {
         dq(p.q.bits.size()), dk(p.k.bits.size()), dv(p.k.bits.size()), bias(p.bias),
         lse(size_t(p.c.b) * p.c.n * p.c.t),
         dbias(p.c.bias.empty() ? 1 : size_t(p.c.b) * p.c.n * p.c.t * p.c.s),
-        o_accum(p.q.bits.size()), dq_accum(p.q.bits.size()), dsum(size_t(p.c.b) * p.c.n * p.c.t),
+        o_accum(p.q.bits.size()),
+        dq_accum(jax_flash::backward_dq_accum_elements({p.c.b, p.c.t, p.c.s, p.c.n, p.c.k, p.c.h})),
+        dsum(size_t(p.c.b) * p.c.n * p.c.t),
         mask(p.mask), q_lens(p.q_lens), kv_lens(p.kv_lens) {}
 
   ForwardArgs forward_args(const Problem& p) {
@@ -668,7 +671,7 @@ void bench(std::mt19937_64& rng) {
       std::string checks;
       for (Schedule s : {Schedule::kV1, Schedule::kV2}) {
         const bool slow = s == Schedule::kV1;
-        const int warmup = slow ? 1 : 5, reps = slow ? 3 : 20;
+        const int warmup = 1, reps = slow ? 1 : 20;
         const double fwd_ms = median_ms([&] { CUDA_CHECK(run_forward(s, d, fa)); }, warmup, reps);
         const double both_ms = median_ms(
             [&] {
@@ -696,6 +699,17 @@ void bench(std::mt19937_64& rng) {
                   checks.c_str());
       std::fflush(stdout);
     }
+}
+
+// One v2 forward and backward of the benchmark grid's H=128, T=4096 row, for a profiler.
+void profile_once(std::mt19937_64& rng) {
+  const Case c{4, 4096, 4096, 16, 16, 128, DType::kBF16};
+  const Problem p = make_problem(c, rng);
+  Device d(p);
+  const ForwardArgs fa = d.forward_args(p);
+  CUDA_CHECK(run_forward(Schedule::kV2, d, fa));
+  CUDA_CHECK(run_backward(Schedule::kV2, d, d.backward_args(p)));
+  CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 #ifdef JAX_FLASH_TUNE
@@ -727,7 +741,8 @@ void tune(std::mt19937_64& rng) {
     const double flops = 4.0 * c.b * c.n * double(c.t) * c.s * c.h * (causal ? 0.5 : 1.0);
     std::vector<uint16_t> ref_out, ref_dq, ref_dk, ref_dv;
     std::printf("\ntune H=128 T=4096 B=4 causal=%d\n", int(causal));
-    for (auto [name, launch] : forwards) {
+    for (const auto& [name, launch_ref] : forwards) {
+      const F launch = launch_ref;
       d.out.poison();
       CUDA_CHECK(launch(fa, 0));
       CUDA_CHECK(cudaDeviceSynchronize());
@@ -740,7 +755,8 @@ void tune(std::mt19937_64& rng) {
                   flops / ms * 1e-9, ms, e.max_abs, e.bad);
     }
     CUDA_CHECK(launch_v2_forward(fa, 0));  // the default's out / lse feed the backward
-    for (auto [name, launch] : backwards) {
+    for (const auto& [name, launch_ref] : backwards) {
+      const Bw launch = launch_ref;
       d.dq.poison(), d.dk.poison(), d.dv.poison();
       CUDA_CHECK(launch(ba, d.workspace(), false, 0));
       CUDA_CHECK(cudaDeviceSynchronize());
@@ -762,15 +778,16 @@ void tune(std::mt19937_64& rng) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, run_bench = false, run_tune = false;
+  bool quick = false, run_bench = false, run_tune = false, run_profile = false;
   uint64_t seed = std::random_device{}();
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--bench")) run_bench = true;
     else if (!std::strcmp(argv[i], "--tune")) run_tune = true;
+    else if (!std::strcmp(argv[i], "--profile")) run_profile = true;
     else if (!std::strcmp(argv[i], "--seed") && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     else {
-      std::fprintf(stderr, "usage: %s [--quick] [--bench] [--tune] [--seed N]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--bench] [--tune] [--profile] [--seed N]\n", argv[0]);
       return 2;
     }
   }
@@ -779,7 +796,9 @@ int main(int argc, char** argv) {
   std::printf("device: %s (sm_%d%d, %d SMs)  seed %llu\n", prop.name, prop.major, prop.minor,
               prop.multiProcessorCount, static_cast<unsigned long long>(seed));
   std::mt19937_64 rng(seed);
-  if (run_tune) {
+  if (run_profile) {
+    profile_once(rng);
+  } else if (run_tune) {
 #ifdef JAX_FLASH_TUNE
     tune(rng);
 #else

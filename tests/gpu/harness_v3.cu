@@ -3,7 +3,7 @@
 //   check  correctness on small and odd shapes against a float64 CPU reference (every row),
 //          for every compiled tuning variant; outputs poisoned first; run twice, compared
 //          bitwise (a difference between identical runs is a race)
-//   small  one small case (for compute-sanitizer)
+//   small  three small cases (for compute-sanitizer)
 //   bench  the 18 configs of /work/shared/BENCHMARK.md: a float64 check of sampled rows plus a
 //          NaN scan of every output, then cudaEvent timings (median of repeats) in TFLOP/s,
 //          for every compiled tuning variant
@@ -400,6 +400,9 @@ std::vector<Case> check_cases() {
   cs.push_back({bf, 1, 2048, 2048, 4, 4, 128, true});
   cs.push_back({bf, 2, 700, 1500, 2, 2, 256});
   cs.push_back({hf, 1, 1024, 1024, 4, 4, 64, true});
+  // Head dim 64 from these lengths on runs the 192-row tile (use_tall_tile in the kernel).
+  cs.push_back({bf, 1, 2100, 2100, 2, 1, 64});
+  cs.push_back({hf, 1, 8200, 8200, 1, 1, 64, true});
   return cs;
 }
 
