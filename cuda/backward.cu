@@ -212,50 +212,21 @@ __global__ void __launch_bounds__(256, 1)
       if (L::kStages > 1 && it + 1 < total) issue(it + 1);
       cp_async_commit();
 
-      // S = Q K^T, then P = exp(score - lse) in place and to shared memory, while the tensor
-      // cores go on with dP = dO V^T (FlashAttention-2's order).
       float s[MT_S][NT_S][4], dp[MT_S][NT_S][4];
       zero(s);
+      zero(dp);
       warp_gemm<T, MT_S, NT_S, kHeadDim / 16>(
           s, [&](uint32_t(&a)[MT_S][4], int k0) { load_a(a, sQ, s_r0, k0, lane); },
           [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_nmajor(bf, sK, k0, s_c0 + n0, lane); });
+      warp_gemm<T, MT_S, NT_S, kHeadDim / 16>(
+          dp, [&](uint32_t(&a)[MT_S][4], int k0) { load_a(a, sdO, s_r0, k0, lane); },
+          [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_nmajor(bf, sV, k0, s_c0 + n0, lane); });
+
+      // P = exp(score - lse) and dS = P (dP - D), in place.
       const Scores scores(fwd, b, head, band);
       const int t0 = r0 + s_r0, key0 = c0 + s_c0;
       const bool check = !scores.all_kept(t0, t0 + 32, key0, key0 + L::kBlockN / 4);
       const float log2_scale = scores.log2_scale();
-      // The softcap's chain factor 1 - tanh^2 of each score (general variant only).
-      float chain[kGeneral ? MT_S : 1][kGeneral ? NT_S : 1][4];
-#pragma unroll
-      for (int m = 0; m < MT_S; ++m)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = s_r0 + c_row(m, 2 * half, lane);
-          const float lse = stage_lse(stage)[r];
-          const float lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;  // p = 0 on empty rows
-#pragma unroll
-          for (int n = 0; n < NT_S; ++n)
-#pragma unroll
-            for (int e = 2 * half; e < 2 * half + 2; ++e) {
-              const int t = r0 + r, key = key0 + c_col(n, e, lane);
-              if constexpr (kGeneral) {
-                float saturation = 0.f;
-                const bool kept = !check || scores.keeps(t, key);
-                const float x2 = kept ? scores.log2_score(s[m][n][e], t, key, saturation) : 0.f;
-                s[m][n][e] = kept ? fast_exp2(x2 - lse2) : 0.f;
-                chain[m][n][e] = 1.f - saturation * saturation;
-              } else {
-                const bool kept = !check || band.keeps(t, key);
-                s[m][n][e] = kept ? fast_exp2(s[m][n][e] * log2_scale - lse2) : 0.f;
-              }
-            }
-        }
-      store_c<T>(sP, s, s_r0, s_c0, lane);
-
-      zero(dp);
-      warp_gemm<T, MT_S, NT_S, kHeadDim / 16>(
-          dp, [&](uint32_t(&a)[MT_S][4], int k0) { load_a(a, sdO, s_r0, k0, lane); },
-          [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_nmajor(bf, sV, k0, s_c0 + n0, lane); });
-      // dS = P (dP - D) in place (its bias gradient before the softcap's chain factor).
       float* dbias = kGeneral && args.dbias != nullptr
                          ? args.dbias + (static_cast<int64_t>(b) * shape.num_heads + head) *
                                             static_cast<int64_t>(q_len) * kv_len
@@ -265,22 +236,33 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = s_r0 + c_row(m, 2 * half, lane);
+          const float lse = stage_lse(stage)[r];
+          const float lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;  // p = 0 on empty rows
           const float dsum = stage_dsum(stage)[r];
 #pragma unroll
           for (int n = 0; n < NT_S; ++n)
 #pragma unroll
             for (int e = 2 * half; e < 2 * half + 2; ++e) {
-              const float ds = s[m][n][e] * (dp[m][n][e] - dsum);
-              if constexpr (kGeneral) {
-                const int t = r0 + r, key = key0 + c_col(n, e, lane);
-                if (dbias != nullptr && t < q_len && key < kv_len)
-                  dbias[static_cast<int64_t>(t) * kv_len + key] = ds;
-                dp[m][n][e] = ds * chain[m][n][e];
+              const int t = r0 + r, key = key0 + c_col(n, e, lane);
+              float saturation = 0.f;
+              bool kept;
+              float x2;
+              if (kGeneral) {
+                kept = !check || scores.keeps(t, key);
+                x2 = kept ? scores.log2_score(s[m][n][e], t, key, saturation) : 0.f;
               } else {
-                dp[m][n][e] = ds;
+                kept = !check || band.keeps(t, key);
+                x2 = s[m][n][e] * log2_scale;
               }
+              const float p = kept ? fast_exp2(x2 - lse2) : 0.f;
+              const float ds = p * (dp[m][n][e] - dsum);
+              if (kGeneral && dbias != nullptr && t < q_len && key < kv_len)
+                dbias[static_cast<int64_t>(t) * kv_len + key] = ds;
+              s[m][n][e] = p;
+              dp[m][n][e] = kGeneral ? ds * (1.f - saturation * saturation) : ds;
             }
         }
+      store_c<T>(sP, s, s_r0, s_c0, lane);
       store_c<T>(sdS, dp, s_r0, s_c0, lane);
       __syncthreads();
 

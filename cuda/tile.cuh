@@ -498,59 +498,36 @@ struct RowSoftmax {
     for (int r = 0; r < kRows; ++r) max[r] = -INFINITY, sum[r] = 0.f;
   }
 
-  // A row with no kept key so far exponentiates against 0: every term is exp2(-inf) = 0.
-  __device__ static float base(float row_max) { return row_max == -INFINITY ? 0.f : row_max; }
-
-  // Folds a tile of scores (times `mul`, mul > 0) into the row maxima. Returns in `factor` what
-  // the rows' earlier accumulations must be multiplied by (the sums are rescaled here), and
-  // whether any row of the warp changed its maximum (else every factor is exactly 1). The
-  // maxima of all rows reduce as trees, interleaved, so no long dependency chain forms.
+  // Exponentiates a tile of scores (times `mul`) in place against the updated row maxima and
+  // returns in `rescale` the factor the rows' earlier accumulations must be multiplied by.
+  // Returns whether any row of the warp changed its maximum (else every factor is exactly 1).
   template <int NT>
-  __device__ bool rescale(const float (&s)[MT][NT][4], float mul, float (&factor)[kRows]) {
-    float tile_max[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int m = r / 2, half = r % 2;
-      float v[NT];
-#pragma unroll
-      for (int n = 0; n < NT; ++n) v[n] = fmaxf(s[m][n][2 * half], s[m][n][2 * half + 1]);
-#pragma unroll
-      for (int width = 1; width < NT; width *= 2)
-#pragma unroll
-        for (int n = 0; n + width < NT; n += 2 * width) v[n] = fmaxf(v[n], v[n + width]);
-      tile_max[r] = v[0];
-    }
+  __device__ bool update(float (&s)[MT][NT][4], float mul, float (&rescale)[kRows]) {
     bool changed = false;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const float new_max = fmaxf(max[r], quad_max(tile_max[r]) * mul);
-      factor[r] = fast_exp2(max[r] - base(new_max));
+      const int m = r / 2, half = r % 2;
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+        tile_max = fmaxf(tile_max, fmaxf(s[m][n][2 * half], s[m][n][2 * half + 1]));
+      const float new_max = fmaxf(max[r], quad_max(tile_max) * mul);
+      // A row with no kept key so far exponentiates against 0: every term is exp2(-inf) = 0.
+      const float base = new_max == -INFINITY ? 0.f : new_max;
+      rescale[r] = fast_exp2(max[r] - base);
       changed |= new_max != max[r];
       max[r] = new_max;
-      sum[r] *= factor[r];
-    }
-    return __any_sync(0xffffffffu, changed);
-  }
-
-  // Replaces n-tiles [n0, n0 + kCount) of the tile with exp2(score * mul - max) and adds them to
-  // the row sums. Called per k-step of P V, so the exponentials of one step overlap the tensor
-  // core work of the previous one.
-  template <int kCount, int NT>
-  __device__ void exponentiate(float (&s)[MT][NT][4], float mul, int n0) {
+      float row_sum = 0.f;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int m = r / 2, half = r % 2;
-      const float b = base(max[r]);
-      float partial = 0.f;
-#pragma unroll
-      for (int n = n0; n < n0 + kCount; ++n)
+      for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int e = 2 * half; e < 2 * half + 2; ++e) {
-          s[m][n][e] = fast_exp2(s[m][n][e] * mul - b);
-          partial += s[m][n][e];
+          s[m][n][e] = fast_exp2(s[m][n][e] * mul - base);
+          row_sum += s[m][n][e];
         }
-      sum[r] += partial;
+      sum[r] = sum[r] * rescale[r] + row_sum;
     }
+    return __any_sync(0xffffffffu, changed);
   }
 
   // Final 1/rowsum (0 for rows with no kept key) and natural-log logsumexp (-inf for those).

@@ -47,9 +47,12 @@ __global__ void __launch_bounds__(128, 1) v1_forward_kernel(const __grid_constan
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int head = blockIdx.x, b = blockIdx.y;
   const AttentionShape& shape = args.shape;
-  const int q_len = static_cast<int>(shape.q_len), kv_len = static_cast<int>(shape.kv_len);
+  const int q_len = static_cast<int>(shape.q_len);
   const int head_dim = static_cast<int>(shape.head_dim), chunks = head_dim / 8;
-  const auto [q, k, v, out, lse] = ForwardHead<T>::of(args, b, head);
+  const ForwardHead<T> operands = ForwardHead<T>::of(args, b, head);
+  const HeadRows<const T> q = operands.q, k = operands.k, v = operands.v;
+  const HeadRows<T> out = operands.out;
+  float* lse = operands.lse;
   float* accum = o_accum + (static_cast<int64_t>(b) * shape.num_heads + head) * q_len * head_dim;
 
   const typename L::KVTile sK{smem_address(smem)};

@@ -67,7 +67,10 @@ __global__ void __launch_bounds__(V2Layout<kHeadDim, Shape>::kThreads,
   const AttentionShape& shape = args.shape;
   const int q_len = static_cast<int>(shape.q_len), kv_len = static_cast<int>(shape.kv_len);
   const int head_dim = static_cast<int>(shape.head_dim), chunks = head_dim / 8;
-  const auto [q, k, v, out, lse] = ForwardHead<T>::of(args, b, head);
+  const ForwardHead<T> operands = ForwardHead<T>::of(args, b, head);
+  const HeadRows<const T> q = operands.q, k = operands.k, v = operands.v;
+  const HeadRows<T> out = operands.out;
+  float* lse = operands.lse;
 
   const Scores scores(args, b, head);
   const int row0 = m_block * L::kBlockM;
@@ -121,12 +124,11 @@ __global__ void __launch_bounds__(V2Layout<kHeadDim, Shape>::kThreads,
         [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_nmajor(bf, sK, k0, n0, lane); });
     const bool check = !scores.all_kept(rows_begin, rows_end, col0, col0 + L::kBlockN);
     const float mul = scores.apply<kGeneral>(s, rows_begin, col0, check, lane);
-    float factor[2 * MT];
-    if (softmax.rescale(s, mul, factor)) scale_rows(o, factor);
+    float rescale[2 * MT];
+    if (softmax.update(s, mul, rescale)) scale_rows(o, rescale);
 
 #pragma unroll
     for (int kk = 0; kk < L::kBlockN / 16; ++kk) {
-      softmax.template exponentiate<2>(s, mul, 2 * kk);
       uint32_t a[MT][4];
       c_to_a<T>(a, s, kk);
       mma_k_step<T>(o, a, [&](uint32_t(&bv)[4], int n0) { load_b_pair_kmajor(bv, sV, 16 * kk, n0, lane); });

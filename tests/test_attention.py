@@ -193,8 +193,10 @@ def test_checkpoint_and_check_grads(rng):
   def f(q, k, v, bias):
     return jax_flash.flash_attention(q, k, v, bias, is_causal=True, softcap=3.0)
 
-  check_grads(f, (x.q, x.k, x.v, x.bias), order=1, modes=["rev"], atol=2e-3,
-                            rtol=2e-3)
+  # f32 finite differences: a large step keeps rounding noise (~1e-7 |f| / eps) under the
+  # tolerance, while a wrong gradient formula is off by O(1).
+  check_grads(f, (x.q, x.k, x.v, x.bias), order=1, modes=["rev"], eps=1e-2, atol=1e-2,
+              rtol=1e-2)
   remat = jax.checkpoint(lambda q, k, v, b: jnp.sum(f(q, k, v, b) ** 2))
   plain = lambda q, k, v, b: jnp.sum(f(q, k, v, b) ** 2)
   for got, want in zip(jax.grad(remat, (0, 1, 2, 3))(x.q, x.k, x.v, x.bias),

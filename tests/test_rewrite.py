@@ -319,6 +319,18 @@ def _in_scan(q, k, v):
                   jnp.arange(1.0, 3.0))[1]
 
 
+def _in_scan_with_outer_constants(q, k, v):
+  # The scale and the fill are computed outside the body and enter it as scan constants.
+  scale, fill = 1 / jnp.sqrt(jnp.float32(q.shape[-1])), jnp.float32(-jnp.inf)
+
+  def body(carry, x):
+    s = jnp.einsum("btnh,bsnh->bnts", q * x, k) * scale
+    s = jnp.where(_causal_tril(q.shape[1], k.shape[1]), s, fill)
+    return carry, _pv(jax.nn.softmax(s), v)
+
+  return lax.scan(body, 0.0, jnp.arange(1.0, 3.0))[1]
+
+
 def _in_cond(q, k, v):
   return lax.cond(q[0, 0, 0, 0] > -10, einsum_tril_where_inf, lambda q, k, v: q, q, k, v)
 
@@ -346,10 +358,11 @@ _custom_vjp_attention.defvjp(lambda q, k, v: jax.vjp(einsum_tril_where_inf, q, k
 
 
 @pytest.mark.parametrize("fn,where", [
-    (_in_jit, "top level"), (_in_scan, "scan.jaxpr"), (_in_cond, "cond.branches[1]"),
+    (_in_jit, "top level"), (_in_scan, "scan.jaxpr"),
+    (_in_scan_with_outer_constants, "scan.jaxpr"), (_in_cond, "cond.branches[1]"),
     (_in_remat, "remat"), (_custom_jvp_attention, "custom_jvp_call.call_jaxpr"),
     (_custom_vjp_attention, "custom_vjp_call"),
-], ids=["jit", "scan", "cond", "remat", "custom_jvp", "custom_vjp"])
+], ids=["jit", "scan", "scan_outer_constants", "cond", "remat", "custom_jvp", "custom_vjp"])
 def test_nested_sites_are_fused(fn, where, rng):
   args = _inputs(rng, SPELLINGS[0])
   report = explain(fn, *args)

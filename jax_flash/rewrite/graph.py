@@ -11,6 +11,9 @@ jit with shardings), is one opaque `Node`; the pass rewrites their bodies separa
 """
 from __future__ import annotations
 
+import math
+
+import jax
 import numpy as np
 
 from jax_flash.rewrite import compat
@@ -30,6 +33,15 @@ class Value:
   @property
   def is_const(self) -> bool:
     return self.const is not None
+
+  def concrete(self, max_size: int):
+    """The constant as a numpy array when it is known at trace time (not a tracer closed over
+    from an outer transformation) and has at most `max_size` elements; else None."""
+    if self.const is None or isinstance(self.const, jax.core.Tracer):
+      return None
+    if math.prod(self.shape) > max_size:
+      return None
+    return np.asarray(self.const)
 
   @property
   def shape(self):
@@ -142,6 +154,9 @@ class Graph:
     return self._scalar_cache[key]
 
 
+# Constant arrays larger than this are not scanned for being one repeated scalar.
+_MAX_UNIFORM_CHECK = 1 << 12
+
 _SCALAR_UNARY = {
     "sqrt": np.sqrt, "rsqrt": lambda x: 1 / np.sqrt(x), "exp": np.exp, "log": np.log,
     "neg": np.negative, "abs": np.abs, "tanh": np.tanh,
@@ -156,8 +171,8 @@ _SCALAR_SHAPE_OPS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand
 
 def _scalar(graph: Graph, value: Value) -> float | None:
   if value.is_const:
-    array = np.asarray(value.const)
-    if array.size == 0 or not np.issubdtype(array.dtype, np.number):
+    array = value.concrete(_MAX_UNIFORM_CHECK)
+    if array is None or array.size == 0 or not np.issubdtype(array.dtype, np.number):
       return None
     first = array.reshape(-1)[0]
     if array.size > 1 and not np.all(array == first):

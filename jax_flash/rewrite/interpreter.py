@@ -15,7 +15,10 @@ none), equation by equation, binding the same primitives with the same params, e
 """
 from __future__ import annotations
 
+import math
+
 import jax
+import numpy as np
 
 from jax_flash.rewrite import compat, kernel, operands, report
 from jax_flash.rewrite.graph import Graph, Level, Node, Value
@@ -36,19 +39,26 @@ class Options:
   def select_schedule(self, site: Site, ops: kernel.KernelOperands) -> str:
     """The schedule that will serve `site` (a ValueError from jax_flash when none can)."""
     from jax_flash import _dispatch, _validate
-    (q, k, v, bias, mask), kwargs = kernel.kernel_structs(site, ops)
-    shape, config = _validate.build_config(q, k, v, bias, mask, **kwargs)
-    return _dispatch.select(self.schedule, shape, q.dtype, config).name
+    arrays, statics = kernel.kernel_shapes(site, ops)
+    shape, config = _validate.build_config(**arrays, **statics)
+    return _dispatch.select(self.schedule, shape, arrays["query"].dtype, config).name
 
 
 class Plan:
   """The analysis of one ClosedJaxpr and everything nested in it."""
 
-  def __init__(self, closed_jaxpr, options: Options, location: str = "top level"):
+  def __init__(self, closed_jaxpr, options: Options, location: str = "top level",
+               unfusable: str | None = None, known_inputs=()):
     self.closed_jaxpr = closed_jaxpr
     self.options = options
     self.location = location
+    self.unfusable = unfusable      # why no site in this body can be fused, if none can
     self.graph = Graph(closed_jaxpr)
+    # Scalars the caller passes in unchanged (a scale or fill computed outside a scan body)
+    # are the constants they are: the matcher reads them as such.
+    for value, known in zip(self.graph.inputs, known_inputs):
+      if known is not None and math.prod(value.shape) == 1:
+        value.const = np.full(value.shape, known, value.dtype)
     self.sites: dict[Node, tuple[Site, kernel.KernelOperands]] = {}   # PV node -> site
     self.reports: list[report.SiteReport] = []
     self.region: set[Node] = set()
@@ -80,6 +90,8 @@ class Plan:
         site = matcher.match(softmax)
         if site.region & claimed:
           raise NoMatch("it overlaps another attention site")
+        if self.unfusable:
+          raise NoMatch(self.unfusable)
       except NoMatch as e:
         self.reports.append(report.SiteReport(where, False, str(e)))
         continue
@@ -111,8 +123,16 @@ class Plan:
         if not all(hasattr(a, "shape") for a in closed.in_avals):
           continue
         name = node.params.get("name")
-        where = f"{node.prim}{f'[{name}]' if name else ''}.{key}{'' if index is None else f'[{index}]'}"
-        subs[(key, index)] = Plan(closed, self.options, f"{self.location} > {where}")
+        where = (f"{node.prim}{f'[{name}]' if name else ''}.{key}"
+                 f"{'' if index is None else f'[{index}]'}")
+        unfusable = None
+        if compat.is_open_jaxpr(jaxpr) and node.prim not in compat.REMAT_NAMES:
+          unfusable = (f"it is inside `{node.prim}`, whose body the pass cannot re-emit (a "
+                       "body without constants)")
+        known = [None if v is None else self.graph.scalar(v)
+                 for v in _invariant_operands(node, key, len(closed.in_avals))]
+        subs[(key, index)] = Plan(closed, self.options, f"{self.location} > {where}", unfusable,
+                                  known)
       if subs:
         self.subplans[node] = subs
 
@@ -121,7 +141,7 @@ class Plan:
     levels: set[int] = set()
     nodes = set(self.region)
     for _, ops in self.sites.values():
-      nodes |= {v.producer for v in _kernel_inputs(ops) if v.producer is not None}
+      nodes |= {v.producer for v in ops.inputs() if v.producer is not None}
     for subs_node, subs in self.subplans.items():
       if any(p.changed for p in subs.values()):
         nodes.add(subs_node)
@@ -163,7 +183,7 @@ class Plan:
       node = level.nodes[index]
       if node in self.sites:
         site, ops = self.sites[node]
-        items.append(_Item("site", eqn, _kernel_inputs(ops), node.outputs, site=(site, ops)))
+        items.append(_Item("site", eqn, ops.inputs(), node.outputs, site=(site, ops)))
       elif node not in self.region:
         items.append(_Item("node", eqn, node.inputs, node.outputs, node=node))
     return items
@@ -182,6 +202,29 @@ class Plan:
     return outs if item.eqn.primitive.multiple_results else [outs]
 
 
+def _invariant_operands(node: Node, key: str, count: int) -> list:
+  """For each input of the body `key` of `node`, the outer value it always equals (None for
+  loop-carried or unknown inputs)."""
+  inputs, params = node.inputs, node.params
+  if node.prim == "scan":
+    consts = inputs[:params["num_consts"]]
+  elif node.prim == "cond":
+    consts = inputs[1:]
+  elif node.prim == "while":
+    cond_n, body_n = params["cond_nconsts"], params["body_nconsts"]
+    consts = inputs[:cond_n] if key == "cond_jaxpr" else inputs[cond_n:cond_n + body_n]
+  elif node.prim in _SAME_INPUTS and len(inputs) == count:
+    consts = inputs
+  else:
+    consts = []
+  return list(consts[:count]) + [None] * (count - len(consts))
+
+
+# Higher-order primitives whose body receives exactly the equation's operands.
+_SAME_INPUTS = compat.JIT_NAMES | compat.REMAT_NAMES | compat.CUSTOM_JVP_NAMES | {
+    "custom_vjp_call", "shard_map"}
+
+
 class _Item:
   """One step of emission: a node, a kernel call, or an untouched jit call."""
   __slots__ = ("kind", "eqn", "inputs", "outputs", "node", "site")
@@ -189,11 +232,6 @@ class _Item:
   def __init__(self, kind, eqn, inputs, outputs, node=None, site=None):
     self.kind, self.eqn, self.inputs, self.outputs = kind, eqn, inputs, outputs
     self.node, self.site = node, site
-
-
-def _kernel_inputs(ops: kernel.KernelOperands) -> list[Value]:
-  entries = [ops.q, ops.k, ops.v] + ops.biases + ops.masks + ops.kv_lengths + ops.q_lengths
-  return [entry[0].source for entry in entries]
 
 
 def _liveness(items, outputs) -> set[int]:
@@ -219,11 +257,6 @@ def _bind_rewritten(eqn, subs: dict, invals):
       continue
     structs = [compat.shape_struct(a) for a in plan.closed_jaxpr.in_avals]
     new = jax.make_jaxpr(lambda *a, plan=plan: plan.emit(a))(*structs)
-    original = eqn.params[key] if index is None else eqn.params[key][index]
-    if compat.is_open_jaxpr(original):
-      if new.consts:
-        raise NotImplementedError(f"cannot re-emit `{eqn.primitive.name}` with constants")
-      new = new.jaxpr
     replacements[(key, index)] = new
   params = compat.replace_jaxpr_params(eqn.params, replacements)
   return compat.bind(eqn.primitive, params, invals)

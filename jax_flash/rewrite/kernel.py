@@ -1,4 +1,4 @@
-"""From a matched Site to one `jax_flash.flash_attention` call (and the schedule it would use).
+"""From a matched Site to one `jax_flash.flash_attention` call.
 
 The kernel layout is fixed: q [B, T, N, H], k / v [B, S, K, H], bias / mask [B|1, N|1, T|1,
 S|1], lengths [B]. A site's labels are grouped into those dims (`patterns.q_groups` ...) and
@@ -30,6 +30,12 @@ class KernelOperands:
   kv_lengths: list      # (Operand, groups, offset)
   q_lengths: list
 
+  def inputs(self) -> list:
+    """Every graph value the kernel call reads."""
+    entries = [self.q, self.k, self.v] + self.biases + self.masks + self.kv_lengths + \
+        self.q_lengths
+    return [entry[0].source for entry in entries]
+
 
 def kernel_operands(site: Site, strip) -> KernelOperands:
   """`strip(value, labels)` traces masks and lengths to their unbroadcast source arrays."""
@@ -48,15 +54,6 @@ def _prepare(site: Site, read, operand, groups):
   return operands.arrange(read(operand.source), operand.labels, groups, site.sizes)
 
 
-def _group_size(site: Site, labels, group) -> int:
-  present = [l for l in labels if l is not None]
-  return math.prod(site.sizes[l] for l in group) if any(l in present for l in group) else 1
-
-
-def _shape(site: Site, operand, groups) -> tuple:
-  return tuple(_group_size(site, operand.labels, g) for g in groups)
-
-
 def _lengths(site: Site, read, entries, static_bound, full: int):
   batch = math.prod(site.sizes[l] for l in site.batch_group)
   lengths = None
@@ -70,16 +67,12 @@ def _lengths(site: Site, read, entries, static_bound, full: int):
   return lengths
 
 
-def _window(site: Site):
-  t_size = site.sizes[site.query] if site.query else 1
-  return window_params(site.keep, t_size, site.sizes[site.key])
+def kernel_arguments(site: Site, ops: KernelOperands, read):
+  """(arrays, statics): the keyword arguments of the site's `flash_attention` call.
 
-
-def call_kernel(site: Site, ops: KernelOperands, read, flash_attention):
-  """Emit the kernel call for `site`; `read(value)` gives the traced array of a graph value."""
-  dtype = site.dtype
-  q, k, v = (_prepare(site, read, op, groups).astype(dtype) for op, groups in (ops.q, ops.k,
-                                                                                ops.v))
+  `read(value)` gives the array of a graph value (traced, or abstract for `kernel_shapes`)."""
+  q, k, v = (_prepare(site, read, op, groups).astype(site.dtype) for op, groups in (ops.q, ops.k,
+                                                                                     ops.v))
   bias = None
   for operand, groups in ops.biases:
     term = _prepare(site, read, operand, groups)
@@ -92,39 +85,37 @@ def call_kernel(site: Site, ops: KernelOperands, read, flash_attention):
     mask = term if mask is None else jnp.logical_and(mask, term)
   t_size = site.sizes[site.query] if site.query else 1
   s_size = site.sizes[site.key]
-  is_causal, window = _window(site)
-  out = flash_attention(
-      q, k, v, bias, mask, scale=site.scale, is_causal=is_causal,
+  is_causal, window = window_params(site.keep, t_size, s_size)
+  arrays = dict(
+      query=q, key=k, value=v, bias=bias, mask=mask,
       query_seq_lengths=_lengths(site, read, ops.q_lengths, site.keep.q_bound, t_size),
-      key_value_seq_lengths=_lengths(site, read, ops.kv_lengths, site.keep.kv_bound, s_size),
-      local_window_size=window, softcap=site.softcap, schedule=site.schedule)
+      key_value_seq_lengths=_lengths(site, read, ops.kv_lengths, site.keep.kv_bound, s_size))
+  statics = dict(scale=site.scale, is_causal=is_causal, local_window_size=window,
+                 softcap=site.softcap)
+  return arrays, statics
+
+
+def call_kernel(site: Site, ops: KernelOperands, read, flash_attention):
+  """Emit the kernel call for `site`, its output in the layout and dtype of the PV product."""
+  arrays, statics = kernel_arguments(site, ops, read)
+  out = flash_attention(**arrays, **statics, schedule=site.schedule)
   groups = [site.batch_group, [site.query] if site.query else [],
             site.kv_heads + site.group_heads, [site.value_head]]
   out = operands.unarrange(out, groups, site.out_labels, site.out_shape, site.sizes)
   return out.astype(site.out_dtype)
 
 
-def kernel_structs(site: Site, ops: KernelOperands):
-  """ShapeDtypeStructs of (q, k, v, bias, mask) and the call's keyword arguments, for checking
-  the call and choosing its schedule without arrays."""
-  struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
-  q, k, v = (struct(_shape(site, op, groups), site.dtype) for op, groups in (ops.q, ops.k,
-                                                                             ops.v))
-  bias = mask = None
-  if ops.biases:
-    shapes = [_shape(site, op, groups) for op, groups in ops.biases]
-    bias = struct(tuple(max(d) for d in zip(*shapes)),
-                  np.result_type(*[op.source.dtype for op, _ in ops.biases]))
-  if ops.masks:
-    shapes = [_shape(site, op, groups) for op, groups, _ in ops.masks]
-    mask = struct(tuple(max(d) for d in zip(*shapes)), np.bool_)
-  batch = q.shape[0]
-  lengths = lambda entries, bound, full: (
-      struct((batch,), np.int32) if entries or (math.isfinite(bound) and bound < full) else None)
-  t_size = q.shape[1]
-  is_causal, window = _window(site)
-  kwargs = dict(scale=site.scale, is_causal=is_causal,
-                query_seq_lengths=lengths(ops.q_lengths, site.keep.q_bound, t_size),
-                key_value_seq_lengths=lengths(ops.kv_lengths, site.keep.kv_bound, k.shape[1]),
-                local_window_size=window, softcap=site.softcap)
-  return (q, k, v, bias, mask), kwargs
+def kernel_shapes(site: Site, ops: KernelOperands):
+  """(arrays as ShapeDtypeStructs, statics) of the kernel call, without computing anything: for
+  validating the call and choosing its schedule at analysis time."""
+  values = [v for v in ops.inputs() if not v.is_const]
+  statics = {}
+
+  def build(*arrays):
+    env = {id(v): a for v, a in zip(values, arrays)}
+    built, found = kernel_arguments(site, ops, lambda v: v.const if v.is_const else env[id(v)])
+    statics.update(found)
+    return built
+
+  shapes = jax.eval_shape(build, *[jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values])
+  return shapes, statics

@@ -26,6 +26,7 @@ import numpy as np
 
 from jax_flash.rewrite import compat
 from jax_flash.rewrite.graph import Graph, Value
+from jax_flash.rewrite.operands import unit_reshape_labels
 
 # Above this many elements a constant mask is not evaluated at trace time to look for a band.
 MAX_CONCRETE_ELEMENTS = 1 << 22
@@ -157,15 +158,15 @@ class MaskReader:
 
   def _sym(self, value: Value, labels: tuple):
     if value.is_const:
-      return self._constant(value, labels)
+      array = value.concrete(MAX_CONCRETE_ELEMENTS)
+      return None if array is None else self._constant(value, array, labels)
     node = value.producer
     if node is None:
       return None
     rule = _RULES.get(node.prim)
     return None if rule is None else rule(self, node, labels)
 
-  def _constant(self, value: Value, labels: tuple):
-    array = np.asarray(value.const)
+  def _constant(self, value: Value, array, labels: tuple):
     if array.dtype == np.bool_ and array.size >= 1 and np.all(array == array.reshape(-1)[0]):
       return TRUE if bool(array.reshape(-1)[0]) else FALSE
     if not np.issubdtype(array.dtype, np.number):
@@ -190,7 +191,7 @@ class MaskReader:
 
   def _evaluate(self, value: Value):
     if value.is_const:
-      return np.asarray(value.const)
+      return value.concrete(MAX_CONCRETE_ELEMENTS)
     node = value.producer
     if (node is None or node.eqn.effects or any(True for _ in compat.jaxpr_params(node.params))
         or math.prod(value.shape) > MAX_CONCRETE_ELEMENTS or len(node.outputs) != 1):
@@ -212,17 +213,9 @@ def _map_broadcast(reader, node, labels):
   return reader.sym(x, in_labels)
 
 
-def _unit_dim_labels(in_shape, out_shape, out_labels):
-  """Labels of a reshape that only inserts or removes size-1 dims (None otherwise)."""
-  if [d for d in in_shape if d != 1] != [d for d in out_shape if d != 1]:
-    return None
-  big_labels = iter([l for l, d in zip(out_labels, out_shape) if d != 1])
-  return tuple(next(big_labels) if d != 1 else None for d in in_shape)
-
-
 def _map_reshape(reader, node, labels):
   x = node.inputs[0]
-  in_labels = _unit_dim_labels(x.shape, node.outputs[0].shape, labels)
+  in_labels = unit_reshape_labels(x.shape, node.outputs[0].shape, labels)
   return None if in_labels is None else reader.sym(x, in_labels)
 
 

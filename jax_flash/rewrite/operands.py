@@ -32,7 +32,8 @@ class Operand:
   unrepeated: "Operand | None" = None   # the operand as it was before the repeat was stripped
 
 
-def _unit_reshape_labels(in_shape, out_shape, out_labels):
+def unit_reshape_labels(in_shape, out_shape, out_labels):
+  """Labels of a reshape that only inserts or removes size-1 dims (None otherwise)."""
   if [d for d in in_shape if d != 1] != [d for d in out_shape if d != 1]:
     return None
   big = iter([l for l, d in zip(out_labels, out_shape) if d != 1])
@@ -80,9 +81,9 @@ def strip(graph: Graph, value: Value, labels: tuple, *, scales: bool = False,
       for out_dim, in_dim in enumerate(perm):
         new[in_dim] = op.labels[out_dim]
       op.source, op.labels = x, tuple(new)
-    elif prim in ("squeeze", "expand_dims", "reshape") and _unit_reshape_labels(
+    elif prim in ("squeeze", "expand_dims", "reshape") and unit_reshape_labels(
         x.shape, node.outputs[0].shape, op.labels) is not None:
-      op.labels = _unit_reshape_labels(x.shape, node.outputs[0].shape, op.labels)
+      op.labels = unit_reshape_labels(x.shape, node.outputs[0].shape, op.labels)
       op.source = x
     elif prim == "reshape" and repeats and op.repeat is None and _repeat_labels(
         graph, node, op.labels) is not None:

@@ -14,6 +14,7 @@ forward's out and lse, so gradients of a v3 forward are computed by the v2 kerne
 from __future__ import annotations
 
 from jax_flash._config import AttentionConfig, AttentionShape
+from jax_flash.schedules import v2
 from jax_flash.schedules.base import Schedule, _device_compute_capability, register
 
 HEAD_DIMS = (64, 128, 256)
@@ -39,7 +40,8 @@ V3 = register(Schedule(
                 "(backward: v2)",
     platform="gpu",
     forward_target="jax_flash_v3_fwd",
-    backward_target="jax_flash_v2_bwd",
+    backward_target=v2.V2.backward_target,
+    backward_workspaces=v2.backward_workspaces,
     dtypes=frozenset({"bfloat16", "float16"}),
     max_head_dim=256,
     supports_bias=False,

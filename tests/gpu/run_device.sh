@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device session: build the extension on the GPU machine, run the GPU tests, benchmark.
+#   bash tests/gpu/run_device.sh [STAGE...]      stages: build tests bench decode (default: all)
+# Run from the repository root with `.carry` (holding the nvidia-cutlass wheel) carried along.
+# Writes logs under $OUT (or /tmp/jf_out).
+set -uo pipefail
+OUT=${OUT:-/tmp/jf_out}
+mkdir -p "$OUT"
+stages=${*:-build tests bench decode}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=/tmp/site
+has() { [[ " $stages " == *" $1 "* ]]; }
+
+if has build; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/cutlass .carry/nvidia_cutlass-*.whl
+  start=$SECONDS
+  PYTHONPATH=/tmp/cutlass CMAKE_BUILD_PARALLEL_LEVEL=16 JAX_FLASH_CUDA=ON \
+    python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site . \
+    > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  echo "build: $((SECONDS - start)) s"
+  python3 -c "import jax, jax_flash; print(jax.devices()); [print(s) for s in jax_flash.schedules()]"
+fi
+if has tests; then
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -x --durations=10 \
+    tests/test_attention.py tests/test_decode.py tests/test_extension.py tests/test_gpu_v1v2.py \
+    -k "not cpu" > "$OUT/pytest.log" 2>&1
+  echo "pytest rc=$?"; tail -15 "$OUT/pytest.log"
+fi
+if has bench; then
+  timeout ${BENCH_TIMEOUT:-200} python3 -m jax_flash.bench --heads 128 --seqlens 4096,16384 \
+    --mode fwd,fwdbwd --repeats 3 --max-seconds 170 --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+  echo "bench rc=$?"; tail -40 "$OUT/bench.log"
+fi
+if has decode; then
+  timeout ${DECODE_TIMEOUT:-90} python3 -m jax_flash.bench --mode decode --repeats 3 \
+    --out "$OUT/decode" > "$OUT/decode.log" 2>&1
+  echo "decode rc=$?"; tail -20 "$OUT/decode.log"
+fi
