@@ -82,7 +82,7 @@ class Plan:
   # -- analysis --
 
   def _match_sites(self):
-    matcher = Matcher(self.graph, self.options.schedule, self._select)
+    matcher = Matcher(self.graph, self._select)
     claimed: set[Node] = set()
     for index, softmax in enumerate(find_softmaxes(self.graph)):
       where = f"{self.location}, softmax #{index}"

@@ -248,11 +248,10 @@ def _walk_mask(graph, node):
 class Matcher:
   """Matches sites in one Graph (one jaxpr body, plain jit calls flattened)."""
 
-  def __init__(self, graph: Graph, schedule: str, select_schedule):
+  def __init__(self, graph: Graph, select_schedule):
     self.graph = graph
     self.reader = MaskReader(graph)
-    self.schedule = schedule
-    self.select_schedule = select_schedule     # (site) -> schedule name; raises ValueError
+    self.select_schedule = select_schedule     # (site) -> schedule name; raises NoMatch
 
   def match(self, softmax: Softmax) -> Site:
     pv, p_index, p_nodes, p_perm = _probabilities_to_pv(softmax)

@@ -2,7 +2,7 @@
 # One device session: build the extension on the GPU machine, run the GPU tests, benchmark.
 #   bash tests/gpu/run_device.sh [STAGE...]      stages: build tests bench decode (default: all)
 # Run from the repository root with `.carry` (holding the nvidia-cutlass wheel) carried along.
-# Writes logs under $OUT (or /tmp/jf_out).
+# Writes build and test logs and the bench outputs under $OUT (or /tmp/jf_out): 7 files.
 set -uo pipefail
 OUT=${OUT:-/tmp/jf_out}
 mkdir -p "$OUT"
@@ -27,11 +27,11 @@ if has tests; then
 fi
 if has bench; then
   timeout ${BENCH_TIMEOUT:-150} python3 -m jax_flash.bench --heads 128 --seqlens 4096,16384 \
-    --mode fwd,fwdbwd --repeats 3 --max-seconds 120 --out "$OUT/bench" > "$OUT/bench.log" 2>&1
-  echo "bench rc=$?"; tail -40 "$OUT/bench.log"
+    --mode fwd,fwdbwd --repeats 3 --max-seconds 120 --out "$OUT/bench" > /tmp/bench.log 2>&1
+  echo "bench rc=$?"; tail -40 /tmp/bench.log
 fi
 if has decode; then
   timeout ${DECODE_TIMEOUT:-60} python3 -m jax_flash.bench --mode decode --repeats 3 \
-    --out "$OUT/decode" > "$OUT/decode.log" 2>&1
-  echo "decode rc=$?"; tail -20 "$OUT/decode.log"
+    --out "$OUT/decode" > /tmp/decode.log 2>&1
+  echo "decode rc=$?"; tail -20 /tmp/decode.log; rm -f "$OUT"/decode/*.png
 fi
