@@ -56,7 +56,7 @@ def load_corpus(max_bytes: int = 2_000_000) -> np.ndarray:
 
 def init_params(config: ModelConfig, key) -> dict:
   d, h = config.d_model, config.head_dim
-  keys = iter(jax.random.split(key, 4 + 4 * config.num_layers))
+  keys = iter(jax.random.split(key, 2 + 5 * config.num_layers))  # embed, pos; 5 per layer
 
   def dense(shape, fan_in):
     return jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(fan_in)

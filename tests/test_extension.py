@@ -15,6 +15,13 @@ from jax_flash import _jax_flash_ext
 from attention_cases import (GRAD_REL, OUT_ATOL, Case, as_f64, make_inputs, reference_backward,
                              reference_forward, relative_l2)
 
+
+@pytest.fixture(autouse=True)
+def _on_the_host():
+  """These tests call the CPU targets directly: run them on the host device on any machine."""
+  with jax.default_device(jax.devices("cpu")[0]):
+    yield
+
 DUMMY = (1, 1, 1, 1)
 
 
