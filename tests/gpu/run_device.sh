@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device session: build the extension on the GPU machine, run the GPU tests, benchmark.
-#   bash tests/gpu/run_device.sh [STAGE...]      stages: build tests bench decode (default: all)
+#   bash tests/gpu/run_device.sh [STAGE...]
+#     stages: build tests bench decode (default), and on a 2-GPU machine: sharding ring
 # Run from the repository root with `.carry` (holding the nvidia-cutlass wheel) carried along.
 # Writes build and test logs and the bench outputs under $OUT (or /tmp/jf_out): 7 files.
 set -uo pipefail
 OUT=${OUT:-/tmp/jf_out}
 mkdir -p "$OUT"
 stages=${*:-build tests bench decode}
+export NCCL_NVLS_ENABLE=0  # never NVLink multicast on the shared hosts
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=/tmp/site
 has() { [[ " $stages " == *" $1 "* ]]; }
 
@@ -34,4 +36,14 @@ if has decode; then
   timeout ${DECODE_TIMEOUT:-60} python3 -m jax_flash.bench --mode decode --repeats 3 \
     --out "$OUT/decode" > /tmp/decode.log 2>&1
   echo "decode rc=$?"; tail -20 /tmp/decode.log; rm -f "$OUT"/decode/*.png
+fi
+if has sharding; then
+  timeout ${SHARDING_TIMEOUT:-150} python3 -m pytest -q -s -p no:cacheprovider \
+    tests/test_sharding.py tests/test_flax.py > "$OUT/sharding.log" 2>&1
+  echo "sharding rc=$?"; grep -E "devices|passed|failed|FAILED" "$OUT/sharding.log" | tail -25
+fi
+if has ring; then
+  timeout ${RING_TIMEOUT:-150} python3 examples/ring_benchmark.py --mode fwd,fwdbwd \
+    > "$OUT/ring.log" 2>&1
+  echo "ring rc=$?"; tail -30 "$OUT/ring.log"
 fi
