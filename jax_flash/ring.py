@@ -68,8 +68,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, layout="zig
   _check_block_lengths(shape, bool(is_causal), layout)
   config = AttentionConfig(scale=resolve_scale(scale, shape.head_dim),
                            softcap=resolve_softcap(softcap), is_causal=bool(is_causal))
-  chosen = _dispatch.select(schedule, shape, query.dtype, config)
   ring = RingSpec(_axis_tuple(axis_name), layout)
+  chosen = _dispatch.select(schedule, shape, query.dtype, config)
   q_lens = _global_lengths(query_seq_lengths, shape.batch, shape.q_len, ring)
   kv_lens = _global_lengths(key_value_seq_lengths, shape.batch, shape.kv_len, ring)
   pad = functools.partial(_pad_head_dim, multiple=chosen.head_dim_multiple)

@@ -75,7 +75,7 @@ def test_linen_mha_bfloat16(rng):
 
 def test_linen_mha_refuses_active_dropout(rng):
   x = _inputs(rng)
-  module = nn.MultiHeadDotProductAttention(num_heads=HEADS, dropout_rate=0.1,
+  module = nn.MultiHeadDotProductAttention(num_heads=HEADS, dropout_rate=0.1, dtype=DTYPE,
                                            attention_fn=jf.attention_fn)
   params = module.init(jax.random.key(0), x, deterministic=True)
   with pytest.raises(ValueError, match="dropout"):
@@ -84,7 +84,8 @@ def test_linen_mha_refuses_active_dropout(rng):
 
 def test_linen_mha_refuses_sow_weights(rng):
   x = _inputs(rng)
-  module = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=jf.attention_fn)
+  module = nn.MultiHeadDotProductAttention(num_heads=HEADS, dtype=DTYPE,
+                                           attention_fn=jf.attention_fn)
   params = module.init(jax.random.key(0), x)
   with pytest.raises(ValueError, match="sow"):
     module.apply(params, x, sow_weights=True, mutable=["intermediates"])
