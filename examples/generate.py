@@ -22,7 +22,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import jax_flash.decode
 import tiny_lm
@@ -90,14 +89,7 @@ def train_briefly(config, steps: int, seed: int):
     return params, None
   corpus = tiny_lm.load_corpus()
   loss = train.make_loss(config, "direct")
-  optimizer = optax.adamw(3e-3, weight_decay=0.01)
-  opt_state = optimizer.init(params)
-
-  @jax.jit
-  def step(params, opt_state, tokens):
-    value, grads = jax.value_and_grad(loss)(params, tokens)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
+  step, opt_state = train.make_train_step(loss, params, lr=3e-3)
 
   data = train.batches(corpus, 16, config.seq_len, np.random.default_rng(seed))
   for i in range(steps):

@@ -43,6 +43,19 @@ def make_loss(config, attention: str):
   return jax_flash.fuse(plain) if attention == "fuse" else plain
 
 
+def make_train_step(loss, params, lr: float):
+  """(jitted step(params, opt_state, tokens) -> (params, opt_state, loss), initial opt_state)."""
+  optimizer = optax.adamw(lr, weight_decay=0.01)
+
+  @jax.jit
+  def step(params, opt_state, tokens):
+    value, grads = jax.value_and_grad(loss)(params, tokens)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  return step, optimizer.init(params)
+
+
 def batches(corpus: np.ndarray, batch: int, length: int, rng: np.random.Generator):
   while True:
     starts = rng.integers(0, len(corpus) - length - 1, batch)
@@ -62,14 +75,7 @@ def main():
   if args.attention == "fuse":
     print(jax_flash.explain(loss, params, next(data)))
 
-  optimizer = optax.adamw(args.lr, weight_decay=0.01)
-  opt_state = optimizer.init(params)
-
-  @jax.jit
-  def step(params, opt_state, tokens):
-    value, grads = jax.value_and_grad(loss)(params, tokens)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
+  step, opt_state = make_train_step(loss, params, args.lr)
 
   first = last = None
   tokens_seen, start = 0, None

@@ -28,6 +28,7 @@
 #include "cuda/decode.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/args.h"
+#include "xla_ffi/gpu_status.h"
 #include "xla_ffi/registry.h"
 
 namespace jax_flash {
@@ -53,11 +54,6 @@ bool HasShape(ffi::AnyBuffer buffer, std::initializer_list<int64_t> shape) {
   for (int64_t d : shape)
     if (dims[i++] != d) return false;
   return true;
-}
-
-ffi::Error LaunchStatus(const char* target, cudaError_t status) {
-  if (status == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(target) + ": " + cudaGetErrorString(status));
 }
 
 // The split workspaces: checks their shapes against `args` and stores their pointers; returns

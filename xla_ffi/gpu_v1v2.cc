@@ -11,6 +11,7 @@
 #include "cuda/v1v2.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/args.h"
+#include "xla_ffi/gpu_status.h"
 #include "xla_ffi/registry.h"
 
 namespace jax_flash {
@@ -39,11 +40,6 @@ ffi::Error CheckWorkspace(const char* target, const char* name, ffi::AnyBuffer b
     return Invalid(target, std::string("workspace `") + name + "` must be float32 with " +
                                std::to_string(elements) + " elements");
   return ffi::Error::Success();
-}
-
-ffi::Error LaunchStatus(const char* target, cudaError_t status) {
-  if (status == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(target) + ": " + cudaGetErrorString(status));
 }
 
 ffi::Error V1ForwardImpl(cudaStream_t stream, InBuffer q, InBuffer k, InBuffer v, InBuffer bias,

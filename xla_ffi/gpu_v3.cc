@@ -8,6 +8,7 @@
 #include "cuda/v3.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/args.h"
+#include "xla_ffi/gpu_status.h"
 #include "xla_ffi/registry.h"
 
 namespace jax_flash {
@@ -24,11 +25,7 @@ ffi::Error V3ForwardHandler(cudaStream_t stream, InBuffer q, InBuffer k, InBuffe
   if (const char* reason = V3ForwardUnsupportedReason(args)) {
     return ffi::Error::InvalidArgument(std::string("jax_flash_v3_fwd: ") + reason);
   }
-  const cudaError_t status = V3Forward(args, stream);
-  if (status != cudaSuccess) {
-    return ffi::Error::Internal(std::string("jax_flash_v3_fwd: ") + cudaGetErrorString(status));
-  }
-  return ffi::Error::Success();
+  return LaunchStatus("jax_flash_v3_fwd", V3Forward(args, stream));
 }
 
 }  // namespace

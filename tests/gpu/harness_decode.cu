@@ -29,42 +29,14 @@
 #include <vector>
 
 #include "../../cuda/decode.h"
+#include "harness_common.h"
 
 using jax_flash::DecodeArgs;
 using jax_flash::DType;
-
-#define CHECK_CUDA(expr)                                                                  \
-  do {                                                                                    \
-    cudaError_t err_ = (expr);                                                            \
-    if (err_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #expr,                \
-                   cudaGetErrorString(err_));                                             \
-      std::exit(2);                                                                       \
-    }                                                                                     \
-  } while (0)
+using harness::to_bits;
+using harness::to_float;
 
 namespace {
-
-float to_float(uint16_t bits, DType dtype) {
-  if (dtype == DType::kBF16) {
-    uint32_t u = uint32_t(bits) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  __half_raw raw;
-  raw.x = bits;
-  return __half2float(__half(raw));
-}
-
-uint16_t from_float(float f, DType dtype) {
-  if (dtype == DType::kBF16) {
-    __nv_bfloat16 b = __float2bfloat16(f);
-    return reinterpret_cast<__nv_bfloat16_raw&>(b).x;
-  }
-  __half h = __float2half(f);
-  return reinterpret_cast<__half_raw&>(h).x;
-}
 
 template <typename T>
 struct DeviceBuffer {
@@ -72,10 +44,10 @@ struct DeviceBuffer {
   size_t count = 0;
   explicit DeviceBuffer(size_t n = 0) { resize(n); }
   void resize(size_t n) {
-    if (ptr) CHECK_CUDA(cudaFree(ptr));
+    if (ptr) CUDA_CHECK(cudaFree(ptr));
     ptr = nullptr;
     count = n;
-    if (n) CHECK_CUDA(cudaMalloc(&ptr, n * sizeof(T)));
+    if (n) CUDA_CHECK(cudaMalloc(&ptr, n * sizeof(T)));
   }
   ~DeviceBuffer() {
     if (ptr) cudaFree(ptr);
@@ -83,14 +55,14 @@ struct DeviceBuffer {
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   void upload(const std::vector<T>& h) {
-    CHECK_CUDA(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
   }
   std::vector<T> download() const {
     std::vector<T> h(count);
-    CHECK_CUDA(cudaMemcpy(h.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(h.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost));
     return h;
   }
-  void poison() { CHECK_CUDA(cudaMemset(ptr, 0xFF, count * sizeof(T))); }
+  void poison() { CUDA_CHECK(cudaMemset(ptr, 0xFF, count * sizeof(T))); }
 };
 
 // Deterministic approximately-normal bf16/f16 values on the device (large caches).
@@ -360,7 +332,7 @@ HostData random_problem_data(const Problem& p, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.f, 1.f);
   auto fill = [&](std::vector<uint16_t>& x, size_t n) {
     x.resize(n);
-    for (auto& e : x) e = from_float(normal(rng), p.dtype);
+    for (auto& e : x) e = to_bits(normal(rng), p.dtype);
   };
   fill(d.q, size_t(p.B) * p.T * p.N * p.H);
   fill(d.k, cache_elems(p));
@@ -391,8 +363,8 @@ bool run_check(const Problem& p, std::mt19937& rng) {
     dp.partial_out.poison();
     dp.partial_lse.poison();
   }
-  CHECK_CUDA(jax_flash::LaunchDecode(dp.args, 0));
-  CHECK_CUDA(cudaDeviceSynchronize());
+  CUDA_CHECK(jax_flash::LaunchDecode(dp.args, 0));
+  CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<double> ref_out, ref_lse;
   reference(p, d, ref_out, ref_lse);
   const Errors e = compare(p, dp.out.download(), dp.lse.download(), ref_out, ref_lse);
@@ -479,22 +451,22 @@ float median(std::vector<float> v) {
 template <typename F>
 float time_ms(F&& launch, int iters, int reps) {
   cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
   for (int i = 0; i < 3; ++i) launch(i);
-  CHECK_CUDA(cudaDeviceSynchronize());
+  CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<float> samples;
   for (int r = 0; r < reps; ++r) {
-    CHECK_CUDA(cudaEventRecord(start));
+    CUDA_CHECK(cudaEventRecord(start));
     for (int i = 0; i < iters; ++i) launch(i);
-    CHECK_CUDA(cudaEventRecord(stop));
-    CHECK_CUDA(cudaEventSynchronize(stop));
+    CUDA_CHECK(cudaEventRecord(stop));
+    CUDA_CHECK(cudaEventSynchronize(stop));
     float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
     samples.push_back(ms / iters);
   }
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
+  CUDA_CHECK(cudaEventDestroy(start));
+  CUDA_CHECK(cudaEventDestroy(stop));
   return median(samples);
 }
 
@@ -511,14 +483,14 @@ __global__ void read_all(const uint4* src, size_t n, unsigned* sink) {
 void ceilings(int sms) {
   const size_t bytes = size_t(2) << 30;
   DeviceBuffer<uint8_t> a(bytes), b(bytes);
-  CHECK_CUDA(cudaMemset(a.ptr, 1, bytes));
+  CUDA_CHECK(cudaMemset(a.ptr, 1, bytes));
   DeviceBuffer<unsigned> sink(1);
   const float copy = time_ms([&](int) {
-    CHECK_CUDA(cudaMemcpyAsync(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice));
+    CUDA_CHECK(cudaMemcpyAsync(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice));
   }, 5, 5);
   const float read = time_ms([&](int) {
     read_all<<<sms * 8, 256>>>(reinterpret_cast<const uint4*>(a.ptr), bytes / 16, sink.ptr);
-    CHECK_CUDA(cudaGetLastError());
+    CUDA_CHECK(cudaGetLastError());
   }, 5, 5);
   std::printf("CEILING copy (read+write) %.3f TB/s   read-only kernel %.3f TB/s   (2 GiB)\n",
               2.0 * bytes / (copy * 1e-3) / 1e12, bytes / (read * 1e-3) / 1e12);
@@ -551,23 +523,23 @@ bool bench_config(const BenchConfig& c, bool auto_only, int sms, std::vector<Ben
     vs[i].resize(elems);
     fill_normal<<<sms * 16, 256>>>(ks[i].ptr, elems, 1000 + 2 * i, 1);
     fill_normal<<<sms * 16, 256>>>(vs[i].ptr, elems, 1001 + 2 * i, 1);
-    CHECK_CUDA(cudaGetLastError());
+    CUDA_CHECK(cudaGetLastError());
   }
-  CHECK_CUDA(cudaDeviceSynchronize());
+  CUDA_CHECK(cudaDeviceSynchronize());
   std::mt19937 rng(c.B * 7 + c.S);
   HostData d;
   d.k = ks[0].download();
   d.v = vs[0].download();
   std::normal_distribution<float> normal(0.f, 1.f);
   d.q.resize(size_t(p.B) * p.N * p.H);
-  for (auto& e : d.q) e = from_float(normal(rng), p.dtype);
+  for (auto& e : d.q) e = to_bits(normal(rng), p.dtype);
   d.cache_lens = p.cache_lens;
 
   int auto_splits = 0;
   {
     DeviceProblem probe;
     prepare(p, d, probe, false);
-    CHECK_CUDA(jax_flash::DecodeAutoSplits(probe.args, c.S, 1 << 16, &auto_splits));
+    CUDA_CHECK(jax_flash::DecodeAutoSplits(probe.args, c.S, 1 << 16, &auto_splits));
   }
   std::vector<int> splits_list = {auto_splits};
   if (!auto_only)
@@ -600,8 +572,8 @@ bool bench_config(const BenchConfig& c, bool auto_only, int sms, std::vector<Ben
       dp.args.v = vs[0].ptr;
       dp.out.poison();
       dp.lse.poison();
-      CHECK_CUDA(jax_flash::LaunchDecode(dp.args, 0));
-      CHECK_CUDA(cudaDeviceSynchronize());
+      CUDA_CHECK(jax_flash::LaunchDecode(dp.args, 0));
+      CUDA_CHECK(cudaDeviceSynchronize());
       const Errors e = compare(pp, dp.out.download(), dp.lse.download(), ref_out, ref_lse);
       const bool ok = !e.nan && !e.lse_bad && e.rel_l2 < 1.2e-2 && e.lse_max_abs < 2e-3;
       all_ok = all_ok && ok;
@@ -610,7 +582,7 @@ bool bench_config(const BenchConfig& c, bool auto_only, int sms, std::vector<Ben
         DecodeArgs a = dp.args;
         a.k = ks[i % copies].ptr;
         a.v = vs[i % copies].ptr;
-        CHECK_CUDA(jax_flash::LaunchDecode(a, 0));
+        CUDA_CHECK(jax_flash::LaunchDecode(a, 0));
       }, iters, 9);
       row.us[layout] = ms * 1e3;
       row.tbps[layout] = kv_bytes / (ms * 1e-3) / 1e12;
@@ -640,10 +612,10 @@ void print_table(const std::vector<BenchRow>& table) {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "check";
   int device = 0, sms = 0;
-  CHECK_CUDA(cudaGetDevice(&device));
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   cudaDeviceProp prop;
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   std::printf("device %s, %d SMs\n", prop.name, sms);
   bool ok = true;
   if (mode == "check") {

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "../../cuda/v1v2.h"
+#include "harness_common.h"
 #ifdef JAX_FLASH_TUNE
 #include "../../cuda/backward.cu"
 #include "../../cuda/v2.cu"
@@ -47,16 +48,8 @@ using jax_flash::BackwardArgs;
 using jax_flash::BackwardWorkspace;
 using jax_flash::DType;
 using jax_flash::ForwardArgs;
-
-#define CUDA_CHECK(expr)                                                                  \
-  do {                                                                                    \
-    cudaError_t err_ = (expr);                                                            \
-    if (err_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,                  \
-                   cudaGetErrorString(err_));                                             \
-      std::exit(2);                                                                       \
-    }                                                                                     \
-  } while (0)
+using harness::to_bits;
+using harness::to_float;
 
 namespace {
 
@@ -106,29 +99,6 @@ std::vector<int64_t> pattern_dims(const Case& c, const std::string& p) {
 // Host data and the float64 reference
 // ---------------------------------------------------------------------------------------------
 
-uint16_t to_bits(float x, DType dt) {
-  if (dt == DType::kBF16) {
-    __nv_bfloat16 v = __float2bfloat16(x);
-    uint16_t u;
-    std::memcpy(&u, &v, 2);
-    return u;
-  }
-  __half v = __float2half(x);
-  uint16_t u;
-  std::memcpy(&u, &v, 2);
-  return u;
-}
-float from_bits(uint16_t u, DType dt) {
-  if (dt == DType::kBF16) {
-    __nv_bfloat16 v;
-    std::memcpy(&v, &u, 2);
-    return __bfloat162float(v);
-  }
-  __half v;
-  std::memcpy(&v, &u, 2);
-  return __half2float(v);
-}
-
 struct Tensor16 {  // a 16-bit tensor with its float values (exactly the rounded ones)
   std::vector<uint16_t> bits;
   std::vector<float> val;
@@ -141,7 +111,7 @@ Tensor16 random_tensor(size_t count, DType dt, std::mt19937_64& rng) {
   x.val.resize(count);
   for (size_t i = 0; i < count; ++i) {
     x.bits[i] = to_bits(normal(rng), dt);
-    x.val[i] = from_bits(x.bits[i], dt);
+    x.val[i] = to_float(x.bits[i], dt);
   }
   return x;
 }
@@ -438,7 +408,7 @@ struct Error {
 
 Error compare16(const std::vector<uint16_t>& got, const std::vector<double>& want, DType dt) {
   Error e;
-  for (size_t i = 0; i < want.size(); ++i) e.add(from_bits(got[i], dt), want[i]);
+  for (size_t i = 0; i < want.size(); ++i) e.add(to_float(got[i], dt), want[i]);
   return e;
 }
 Error compare32(const std::vector<float>& got, const std::vector<double>& want) {
@@ -596,7 +566,7 @@ SpotErrors spot_check(const Problem& p, Device& d, std::mt19937_64& rng) {
   const auto d_of = [&](int b, int t, int n) {  // D from the GPU's out
     double acc = 0;
     for (int i = 0; i < c.h; ++i)
-      acc += double(p.dout.val[out_row(b, t, n) + i]) * from_bits(out[out_row(b, t, n) + i], c.dtype);
+      acc += double(p.dout.val[out_row(b, t, n) + i]) * to_float(out[out_row(b, t, n) + i], c.dtype);
     return acc;
   };
   std::vector<std::array<int, 3>> rows(12);
@@ -604,7 +574,7 @@ SpotErrors spot_check(const Problem& p, Device& d, std::mt19937_64& rng) {
   for (auto [b, n, t] : rows) {
     const RowRef ref = ref_row(p, b, n, t);
     const size_t o = out_row(b, t, n);
-    for (int i = 0; i < c.h; ++i) e.out.add(from_bits(out[o + i], c.dtype), ref.out[i]);
+    for (int i = 0; i < c.h; ++i) e.out.add(to_float(out[o + i], c.dtype), ref.out[i]);
     e.lse.add(lse[(size_t(b) * c.n + n) * c.t + t], ref.lse);
     // dq row
     std::vector<double> want(c.h, 0.0);
@@ -622,7 +592,7 @@ SpotErrors spot_check(const Problem& p, Device& d, std::mt19937_64& rng) {
         for (int i = 0; i < c.h; ++i) want[i] += scale * ds * p.k.val[kr + i];
       }
     }
-    for (int i = 0; i < c.h; ++i) e.dq.add(from_bits(dq[o + i], c.dtype), want[i]);
+    for (int i = 0; i < c.h; ++i) e.dq.add(to_float(dq[o + i], c.dtype), want[i]);
   }
   // dk / dv of sampled keys: sum over every query row of the kv head's group.
   for (int sample = 0; sample < 4; ++sample) {
@@ -647,8 +617,8 @@ SpotErrors spot_check(const Problem& p, Device& d, std::mt19937_64& rng) {
     });
     const size_t kr = ((size_t(b) * c.s + s) * c.k + kv) * c.h;
     for (int h = 0; h < c.h; ++h) {
-      e.dk.add(from_bits(dk[kr + h], c.dtype), want_dk[h]);
-      e.dv.add(from_bits(dv[kr + h], c.dtype), want_dv[h]);
+      e.dk.add(to_float(dk[kr + h], c.dtype), want_dk[h]);
+      e.dv.add(to_float(dv[kr + h], c.dtype), want_dv[h]);
     }
   }
   return e;
@@ -749,7 +719,7 @@ void tune(std::mt19937_64& rng) {
       const auto out = d.out.download();
       if (ref_out.empty()) ref_out = out;
       Error e;
-      for (size_t i = 0; i < out.size(); ++i) e.add(from_bits(out[i], c.dtype), from_bits(ref_out[i], c.dtype));
+      for (size_t i = 0; i < out.size(); ++i) e.add(to_float(out[i], c.dtype), to_float(ref_out[i], c.dtype));
       const double ms = median_ms([&] { CUDA_CHECK(launch(fa, 0)); }, 5, 20);
       std::printf("  %-28s %7.1f TFLOP/s  %.3f ms  max |diff| vs default %.1e  nonfinite %zu\n", name,
                   flops / ms * 1e-9, ms, e.max_abs, e.bad);
@@ -763,9 +733,9 @@ void tune(std::mt19937_64& rng) {
       const auto dq = d.dq.download(), dk = d.dk.download(), dv = d.dv.download();
       if (ref_dq.empty()) ref_dq = dq, ref_dk = dk, ref_dv = dv;
       Error e;
-      for (size_t i = 0; i < dq.size(); ++i) e.add(from_bits(dq[i], c.dtype), from_bits(ref_dq[i], c.dtype));
-      for (size_t i = 0; i < dk.size(); ++i) e.add(from_bits(dk[i], c.dtype), from_bits(ref_dk[i], c.dtype));
-      for (size_t i = 0; i < dv.size(); ++i) e.add(from_bits(dv[i], c.dtype), from_bits(ref_dv[i], c.dtype));
+      for (size_t i = 0; i < dq.size(); ++i) e.add(to_float(dq[i], c.dtype), to_float(ref_dq[i], c.dtype));
+      for (size_t i = 0; i < dk.size(); ++i) e.add(to_float(dk[i], c.dtype), to_float(ref_dk[i], c.dtype));
+      for (size_t i = 0; i < dv.size(); ++i) e.add(to_float(dv[i], c.dtype), to_float(ref_dv[i], c.dtype));
       const double ms = median_ms([&] { CUDA_CHECK(launch(ba, d.workspace(), false, 0)); }, 3, 10);
       std::printf("  %-28s %7.1f TFLOP/s (bwd = 2.5x fwd)  %.3f ms  max |diff| vs default %.1e  nonfinite %zu\n",
                   name, 2.5 * flops / ms * 1e-9, ms, e.max_abs, e.bad);

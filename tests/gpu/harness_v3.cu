@@ -31,20 +31,12 @@
 #include <vector>
 
 #include "../../cuda/v3.h"
+#include "harness_common.h"
 
 using jax_flash::DType;
 using jax_flash::ForwardArgs;
 using jax_flash::V3Tuning;
-
-#define CUDA_CHECK(expr)                                                                  \
-  do {                                                                                    \
-    cudaError_t err_ = (expr);                                                            \
-    if (err_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #expr,           \
-                   cudaGetErrorString(err_));                                             \
-      std::exit(2);                                                                       \
-    }                                                                                     \
-  } while (0)
+using harness::to_float;
 
 namespace {
 
@@ -104,18 +96,6 @@ template <typename T>
 void fill_random(void* x, int64_t n, uint64_t seed) {
   fill_normal<T><<<1024, 256>>>(static_cast<T*>(x), n, seed);
   CUDA_CHECK(cudaGetLastError());
-}
-
-double to_double(uint16_t bits, DType dtype) {
-  if (dtype == DType::kBF16) {
-    uint32_t u = uint32_t(bits) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  __half_raw raw;
-  raw.x = bits;
-  return double(__half2float(__half(raw)));
 }
 
 // ---- the problem on the device and its host copies --------------------------------------
@@ -223,7 +203,7 @@ RowRef reference_row(const Problem& pb, int64_t b, int64_t t, int64_t n) {
   const int64_t kv_cols = c.kv_seqlens.empty() ? c.S : c.kv_seqlens[b];
   RowRef r{std::vector<double>(c.H, 0.0), -std::numeric_limits<double>::infinity()};
   std::vector<double> q(c.H);
-  for (int64_t h = 0; h < c.H; ++h) q[h] = to_double(pb.hq[((b * c.T + t) * c.N + n) * c.H + h], c.dtype);
+  for (int64_t h = 0; h < c.H; ++h) q[h] = to_float(pb.hq[((b * c.T + t) * c.N + n) * c.H + h], c.dtype);
   std::vector<double> x(c.S);
   std::vector<char> keep(c.S);
   double mx = -std::numeric_limits<double>::infinity();
@@ -234,7 +214,7 @@ RowRef reference_row(const Problem& pb, int64_t b, int64_t t, int64_t n) {
     if (!keep[s]) continue;
     const uint16_t* krow = &pb.hk[((b * c.S + s) * c.K + kvh) * c.H];
     double dot = 0;
-    for (int64_t h = 0; h < c.H; ++h) dot += q[h] * to_double(krow[h], c.dtype);
+    for (int64_t h = 0; h < c.H; ++h) dot += q[h] * to_float(krow[h], c.dtype);
     double v = scale * dot;
     if (c.softcap > 0) v = c.softcap * std::tanh(v / c.softcap);
     x[s] = v;
@@ -247,7 +227,7 @@ RowRef reference_row(const Problem& pb, int64_t b, int64_t t, int64_t n) {
     const double p = std::exp(x[s] - mx);
     sum += p;
     const uint16_t* vrow = &pb.hv[((b * c.S + s) * c.K + kvh) * c.H];
-    for (int64_t h = 0; h < c.H; ++h) r.out[h] += p * to_double(vrow[h], c.dtype);
+    for (int64_t h = 0; h < c.H; ++h) r.out[h] += p * to_float(vrow[h], c.dtype);
   }
   for (double& o : r.out) o /= sum;
   r.lse = mx + std::log(sum);
@@ -293,7 +273,7 @@ Errors compare_rows(const Problem& pb, const std::vector<RowId>& rows,
     const RowRef& ref = refs[i];
     const int64_t base = ((id.b * c.T + id.t) * c.N + id.n) * c.H;
     for (int64_t h = 0; h < c.H; ++h) {
-      const double got = to_double(pb.hout[base + h], c.dtype);
+      const double got = to_float(pb.hout[base + h], c.dtype);
       const double d = std::isnan(got) ? std::numeric_limits<double>::infinity()
                                        : std::fabs(got - ref.out[h]);
       e.max_abs = std::max(e.max_abs, d);
@@ -312,7 +292,7 @@ Errors compare_rows(const Problem& pb, const std::vector<RowId>& rows,
 
 int64_t count_nan(const Problem& pb) {
   int64_t n = 0;
-  for (uint16_t x : pb.hout) n += std::isnan(to_double(x, pb.c.dtype));
+  for (uint16_t x : pb.hout) n += std::isnan(to_float(x, pb.c.dtype));
   for (float x : pb.hlse) n += std::isnan(x);
   return n;
 }
