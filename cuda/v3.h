@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "attention_args.h"
 
 namespace jax_flash {
@@ -34,5 +36,34 @@ cudaError_t V3Forward(const ForwardArgs& args, cudaStream_t stream);
 // the other combinations exist (for bf16) only when built with -DJAX_FLASH_V3_TUNING_VARIANTS,
 // and otherwise this returns cudaErrorNotSupported.
 cudaError_t V3ForwardTuned(const ForwardArgs& args, const V3Tuning& tuning, cudaStream_t stream);
+
+// ---- Backward (cuda/v3_bwd_sm90.cu; written, not yet run on a GPU: see that file's header) ----
+// bf16 / fp16, head dims 64 and 128, no bias or mask tensor (v2's backward serves those).
+
+// Device workspaces of V3Backward, owned by the caller until the work completes (the FFI
+// handler gets them as extra outputs). Sizes: V3BackwardWorkspaceSizes. None needs clearing.
+struct V3BackwardWorkspace {
+  float* dq_accum = nullptr;     // dQ summed over key blocks, fp32, layout private to the kernel
+  float* dsum = nullptr;         // [B, N, T_pad] D = rowsum(dout * out); T_pad = T rounded to 128
+  float* lse_log2 = nullptr;     // [B, N, T_pad] lse * log2(e), +inf for rows with no kept key
+  int32_t* dq_semaphore = nullptr;  // deterministic mode only: per 64 query rows of a head
+};
+
+struct V3BackwardWorkspaceBytes {
+  int64_t dq_accum = 0, dsum = 0, lse_log2 = 0, dq_semaphore = 0;
+};
+
+// Bytes of each workspace (dq_semaphore: 4 bytes when not deterministic, never 0).
+V3BackwardWorkspaceBytes V3BackwardWorkspaceSizes(const AttentionShape& shape, bool deterministic);
+
+// nullptr when V3Backward can run `args` on the current device, else the reason it cannot.
+const char* V3BackwardUnsupportedReason(const BackwardArgs& args);
+
+// Enqueues preprocess, the main kernel and postprocess on `stream`: writes dq, dk, dv (args.dbias
+// must be null). deterministic: dQ partials are added in a fixed (key block) order, so two runs
+// give bitwise equal dq. Returns cudaErrorInvalidValue for unsupported arguments or missing
+// workspaces, else the launch error, if any.
+cudaError_t V3Backward(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
+                       bool deterministic, cudaStream_t stream);
 
 }  // namespace jax_flash

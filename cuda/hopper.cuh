@@ -1,0 +1,274 @@
+// Hopper (sm_90a) building blocks shared by the v3 kernels (cuda/v3_fwd_sm90.cu,
+// cuda/v3_bwd_sm90.cu): mbarrier / TMA / wgmma / named-barrier / setmaxnreg PTX wrappers, the
+// 128-byte-swizzle wgmma descriptors, the CUTLASS GMMA atoms by element type and width, and the
+// host-side tensor-map encoding. Include only from files compiled for sm_90a.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <mutex>
+#include <utility>
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/arch/mma_sm90_gmma_ext.hpp>  // the n = 80 shape of head dim 256
+
+#include "attention_args.h"
+
+namespace jax_flash {
+namespace hopper {
+
+namespace gmma = cute::SM90::GMMA;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ------------------------------------------------------------------------------------------
+// PTX wrappers: mbarrier, TMA, wgmma bookkeeping, named barriers, setmaxnreg
+// ------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Returns once the phase with the given parity has completed. A fresh barrier is in phase 0,
+// so waiting for parity 1 returns at once: that is how "empty" buffers start out free.
+// Built with -DJAX_FLASH_V3_HANG_TRAP (debugging only), a wait that spins for seconds reports
+// the barrier and traps instead of hanging the device.
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+#ifdef JAX_FLASH_V3_HANG_TRAP
+  uint64_t spins = 0;
+#endif
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+#ifdef JAX_FLASH_V3_HANG_TRAP
+    if (++spins == (1ull << 27)) {
+      printf("v3 hang: block %d thread %d barrier smem+0x%x parity %u\n", blockIdx.x,
+             threadIdx.x, bar & 0xFFFFF, parity);
+      __trap();
+    }
+#endif
+  } while (!done);
+}
+
+// Loads a box of 64 columns x `rows` rows (one slab) for each 64-column slab of the head dim.
+template <int kSlabs, int kRows>
+__device__ __forceinline__ void tma_load_tile(const CUtensorMap* map, uint32_t dst, uint32_t bar,
+                                              int row, int head, int batch) {
+  const uint64_t desc = reinterpret_cast<uint64_t>(map);
+#pragma unroll
+  for (int c = 0; c < kSlabs; ++c) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(dst + c * kRows * 128),
+        "l"(desc), "r"(c * 64), "r"(row), "r"(head), "r"(batch), "r"(bar)
+        : "memory");
+  }
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
+// Ties register arrays to the surrounding asm order, so that no read of an accumulator moves
+// above the wgmma_wait that completes it.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int kRegisters>
+__device__ __forceinline__ void grow_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegisters));
+}
+template <int kRegisters>
+__device__ __forceinline__ void shrink_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegisters));
+}
+
+__device__ __forceinline__ float exp2_mufu(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float tanh_mufu(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ------------------------------------------------------------------------------------------
+// wgmma descriptors and instruction wrappers
+// ------------------------------------------------------------------------------------------
+
+
+// 128-byte-swizzled K-major operand: 8-row groups 1024 bytes apart (SBO), LBO unused (1).
+__device__ __forceinline__ uint64_t kmajor_descriptor(uint32_t address) {
+  return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+
+// 128-byte-swizzled MN-major operand: 64-column slabs `slab_bytes` apart (LBO), 8-row groups
+// along K 1024 bytes apart (SBO).
+__device__ __forceinline__ uint64_t mnmajor_descriptor(uint32_t address, uint32_t slab_bytes) {
+  return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t(slab_bytes >> 4) << 16) |
+         (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// The CUTLASS wgmma instruction wrappers for an m64nNk16 product with fp32 accumulators:
+// SS reads A and B from shared memory (both K-major), RS reads A from registers and B
+// MN-major from shared memory.
+template <typename Element, int N>
+struct Gmma;
+#define JAX_FLASH_V3_GMMA(ELEMENT, TAG, N)                                                 \
+  template <>                                                                              \
+  struct Gmma<ELEMENT, N> {                                                                \
+    using SS = gmma::MMA_64x##N##x16_F32##TAG##TAG##_SS<gmma::Major::K, gmma::Major::K>;  \
+    using RS = gmma::MMA_64x##N##x16_F32##TAG##TAG##_RS<gmma::Major::K, gmma::Major::MN>; \
+  };
+#define JAX_FLASH_V3_GMMA_WIDTHS(ELEMENT, TAG) \
+  JAX_FLASH_V3_GMMA(ELEMENT, TAG, 64)          \
+  JAX_FLASH_V3_GMMA(ELEMENT, TAG, 80)          \
+  JAX_FLASH_V3_GMMA(ELEMENT, TAG, 128)         \
+  JAX_FLASH_V3_GMMA(ELEMENT, TAG, 256)
+JAX_FLASH_V3_GMMA_WIDTHS(__nv_bfloat16, BF16)
+JAX_FLASH_V3_GMMA_WIDTHS(__half, F16)
+#undef JAX_FLASH_V3_GMMA_WIDTHS
+#undef JAX_FLASH_V3_GMMA
+
+template <class Op, int N, size_t... I>
+__device__ __forceinline__ void gmma_ss(uint64_t a, uint64_t b, float (&d)[N],
+                                        gmma::ScaleOut scale_d, std::index_sequence<I...>) {
+  Op::fma(a, b, d[I]..., scale_d);
+}
+
+template <class Op, int N, size_t... I>
+__device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t b, float (&d)[N],
+                                        std::index_sequence<I...>) {
+  Op::fma(a[0], a[1], a[2], a[3], b, d[I]..., gmma::ScaleOut::One);
+}
+
+template <typename Element>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// ------------------------------------------------------------------------------------------
+// Host side: tensor maps and the device
+// ------------------------------------------------------------------------------------------
+
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &status) == cudaSuccess &&
+        status == cudaDriverEntryPointSuccess) {
+      encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }
+  });
+  return encode;
+}
+
+// A [batch, rows, heads, head_dim] row-major tensor read in boxes of 64 columns x box_rows rows
+// of one head, 128-byte swizzled; rows past the end read as zeros.
+inline bool encode_tensor_map(CUtensorMap* map, const void* data, DType dtype, int64_t batch,
+                              int64_t rows, int64_t heads, int64_t head_dim, int box_rows) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(rows), cuuint64_t(heads),
+                              cuuint64_t(batch)};
+  const cuuint64_t strides[3] = {cuuint64_t(heads * head_dim * 2), cuuint64_t(head_dim * 2),
+                                 cuuint64_t(rows * heads * head_dim * 2)};
+  const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encode(
+      map,
+      dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      4, const_cast<void*>(data), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
+struct DeviceInfo {
+  int sm_count = 0;
+  int major = 0;
+  int minor = 0;
+};
+
+inline cudaError_t current_device_info(DeviceInfo* info) {
+  int device;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if ((err = cudaDeviceGetAttribute(&info->sm_count, cudaDevAttrMultiProcessorCount, device)) !=
+          cudaSuccess ||
+      (err = cudaDeviceGetAttribute(&info->major, cudaDevAttrComputeCapabilityMajor, device)) !=
+          cudaSuccess ||
+      (err = cudaDeviceGetAttribute(&info->minor, cudaDevAttrComputeCapabilityMinor, device)) !=
+          cudaSuccess) {
+    return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace hopper
+}  // namespace jax_flash

@@ -1,0 +1,881 @@
+// v3 backward: the Hopper (sm_90a) FlashAttention backward (FlashAttention-3 style).
+//
+// STATUS (2026-11-30): written and compiled only; it has NOT run on a GPU yet. The schedule
+// keeps using the v2 backward (cuda/backward.cu) until tests/gpu/harness_v3_bwd.cu passes on
+// the H200 (commands in docs/perf-notes-v3.md, section "v3 backward").
+//
+// How it will be wired (next session; nothing of this exists yet):
+//   * FFI target "jax_flash_v3_bwd" (xla_ffi/gpu_v3.cc or wherever V3Forward is registered),
+//     inputs and attributes exactly as in docs/architecture.md's backward convention, plus one
+//     attribute `deterministic` (bool) if the schedule exposes it.
+//   * outputs: dq, dk, dv, dbias-dummy f32[1,1,1,1], then four workspaces, in this order and
+//     with the sizes of V3BackwardWorkspaceSizes(shape, deterministic) (cuda/v3.h):
+//       dq_accum     f32 [dq_accum / 4]      (layout private to this file, see DqAccum)
+//       dsum         f32 [B, N, T_pad]       (T_pad = T rounded up to 128)
+//       lse_log2     f32 [B, N, T_pad]
+//       dq_semaphore s32 [max(1, ...)]       (used only in deterministic mode; pass it always,
+//                                             size 1 when not deterministic)
+//     The handler fills V3BackwardWorkspace from those four output buffers and calls
+//     V3Backward(args, workspace, deterministic, stream). Nothing needs zeroing by the caller:
+//     the preprocessing kernel clears dq_accum and the semaphores.
+//   * jax_flash/schedules/v3.py: bwd_target = "jax_flash_v3_bwd", four extra backward
+//     workspace outputs with the shapes above; calls with bias / mask / head dim 256 / f32 keep
+//     going to the v2 backward (V3BackwardUnsupportedReason says why).
+//
+// Kernels, in stream order:
+//   1. preprocess (one CTA per 64 query rows of a (batch, head)): D = rowsum(dO * O),
+//      lse_log2 = lse * log2(e) (+inf for rows with no kept key and for the padding rows, so
+//      that P = exp2(.. - lse_log2) = 0 there), dq_accum and the semaphores cleared.
+//   2. main (one CTA per (key block of 128 keys, kv head, batch)), warp-specialized:
+//        warpgroup 0: producer. One thread loads K and V of the key block once (TMA), then for
+//          every (query head of the group, query block) a Q tile, a dO tile (TMA) and the
+//          block's lse_log2 and D rows (1-D bulk copies) into a 2-stage ring with full / empty
+//          mbarriers.
+//        warpgroups 1, 2: consumers; warpgroup w owns keys [64 w, 64 w + 64) of the block and
+//          keeps dK and dV of those keys in registers over the whole loop. Per query block:
+//            S^T  = K_w Q^T            wgmma SS (K-major both), 64 keys x kBlockM queries
+//            dP^T = V_w dO^T           wgmma SS, issued right behind S^T
+//            P^T  = exp2(S^T * scale * log2e - lse_log2)   (softcap: of the capped score),
+//                   computed while the dP^T GEMM still runs
+//            dS^T = P^T * (dP^T - D)   (softcap: times 1 - tanh^2)
+//            dV  += P^T dO             wgmma RS: P^T from registers (the accumulator layout of
+//            dK  += dS^T Q             S^T is the A-fragment layout), dO / Q MN-major in smem
+//            dS^T -> shared memory (128-byte swizzle, keys as rows), both warpgroups sync, then
+//            dQ tile = dS K            wgmma SS, dS MN-major, K MN-major; each warpgroup one
+//                                      64 x 64 tile of the block's dQ
+//            dQ tile added into the fp32 dq_accum with red.global.add.v4.f32 (one 512-byte
+//            line per warp instruction: the accumulator is stored in fragment order).
+//        Deterministic mode: the dQ adds of a (batch, head, query block) are serialized in key
+//        block order by a semaphore per block (each element gets its partials added in the same
+//        order every run); dK / dV are always deterministic (one CTA owns them).
+//        Epilogue: dK = scale * dK, dV stored from registers (4-byte stores).
+//   3. postprocess (one CTA per 64 query rows of a (batch, head)): dq = scale * dq_accum.
+//
+// GQA: the CTA of a kv head loops over the query heads of its group, so dK / dV are summed in
+// registers with no extra pass. Head dims 64 (kBlockM = 128) and 128 (kBlockM = 64); 256 does
+// not fit (dK + dV of 64 keys alone are 256 fp32 registers per thread) and is refused.
+// Semantics: docs/architecture.md (scale, softcap, causal, windows, q / kv sequence lengths);
+// bias and mask tensors are refused (served by the v2 backward).
+#include "v3.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+
+#include "hopper.cuh"
+
+namespace jax_flash {
+namespace {
+
+using namespace hopper;
+
+// Query rows are padded to this multiple in dsum / lse_log2 / dq_accum, so that any query
+// block of the main kernel (64 or 128 rows) reads whole rows without bounds checks.
+constexpr int kRowPad = 128;
+// dq_accum stores 64 x 64 tiles; 4096 floats each.
+constexpr int kDqTileRows = 64;
+constexpr int kDqTileFloats = 64 * 64;
+
+int64_t padded_rows(int64_t q_len) { return (q_len + kRowPad - 1) / kRowPad * kRowPad; }
+
+// ------------------------------------------------------------------------------------------
+// Tile configuration
+// ------------------------------------------------------------------------------------------
+
+template <typename Element_, int kHeadDim_, int kBlockM_>
+struct BwdConfig {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // query rows per step
+  static constexpr int kBlockN = 128;       // keys per CTA, 64 per consumer warpgroup
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
+  static constexpr int kStages = 2;
+  static constexpr int kProducerRegisters = 24;
+  // 240 made ptxas spill 8 bytes in the consumer (nvcc 13.0); 232 compiles without spills.
+  static constexpr int kConsumerRegisters = 232;
+  static_assert(128 * kProducerRegisters + 128 * kConsumerWarpgroups * kConsumerRegisters <=
+                65536);
+
+  static constexpr int kSlabs = kHeadDim / 64;
+  // Each consumer warpgroup computes one 64 x 64 tile of the block's dQ: kBlockM / 64 row
+  // tiles x kSlabs column slabs must be exactly the two warpgroups.
+  static constexpr int kDqRowTiles = kBlockM / 64;
+  static_assert(kDqRowTiles * kSlabs == kConsumerWarpgroups);
+
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q or dO stage
+  static constexpr int kRowStatBytes = kBlockM * 4;         // one lse_log2 or D stage
+  static constexpr int kKOffset = 0;
+  static constexpr int kVOffset = kKOffset + kKVBytes;
+  static constexpr int kQOffset = kVOffset + kKVBytes;
+  static constexpr int kDoOffset = kQOffset + kStages * kQBytes;
+  static constexpr int kDsOffset = kDoOffset + kStages * kQBytes;
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;
+  static constexpr int kLseOffset = kDsOffset + kDsBytes;
+  static constexpr int kDsumOffset = kLseOffset + kStages * kRowStatBytes;
+  static constexpr int kBarrierOffset = kDsumOffset + kStages * kRowStatBytes;
+  static constexpr int kBarrierBytes = 8 * (1 + 3 * kStages);
+  static constexpr int kSmemBytes = kBarrierOffset + kBarrierBytes + 1024;  // + base alignment
+  static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
+  static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockM <= 256);
+};
+
+// The mbarriers at kBarrierOffset: K+V loaded; per stage Q+lse full, dO+D full, stage empty.
+struct BwdBarriers {
+  uint32_t kv_full, q_full, do_full, empty;  // q_full / do_full / empty: stage 0, 8 bytes apart
+  template <class Cfg>
+  __device__ static BwdBarriers at(uint32_t base) {
+    constexpr int s = Cfg::kStages;
+    return {base, base + 8, base + 8 + 8 * s, base + 8 + 16 * s};
+  }
+};
+
+struct BwdParams {
+  CUtensorMap tma_q, tma_k, tma_v, tma_do;
+  void* dk;
+  void* dv;
+  float* dq_accum;
+  const float* dsum;      // [B, N, T_pad]
+  const float* lse_log2;  // [B, N, T_pad]
+  int* dq_semaphore;      // null unless deterministic
+  const int32_t* q_seqlens;
+  const int32_t* kv_seqlens;
+  int q_len, kv_len, num_heads, num_kv_heads, heads_per_kv, q_len_padded;
+  float scale;        // dS -> dK, dQ (applied in the epilogue / postprocess)
+  float scale_log2;   // exponent scale (log2 units) applied to the possibly capped score
+  float softcap;      // 0 = off
+  float softcap_inv;  // scale / softcap
+  int window_left;    // -1 = unbounded
+  int window_right;   // causal folded in; -1 = unbounded
+};
+
+// dq_accum: per (batch, head), T_pad / 64 row tiles x kSlabs column slabs of 64 x 64 floats,
+// each stored in the order of a warpgroup's m64n64 accumulator: float i of thread t at
+// (i / 4) * 512 + 4 t + i % 4, so that one red.v4 of a warp covers 512 contiguous bytes.
+struct DqAccum {
+  __device__ static float* tile(float* base, const BwdParams& p, int batch, int head,
+                                int row_tile, int slab, int slabs) {
+    const int64_t row_tiles = p.q_len_padded / kDqTileRows;
+    return base + ((((int64_t(batch) * p.num_heads + head) * row_tiles + row_tile) * slabs +
+                    slab) *
+                   kDqTileFloats);
+  }
+};
+
+// ------------------------------------------------------------------------------------------
+// Which query blocks a key block visits
+// ------------------------------------------------------------------------------------------
+
+struct KeyBlock {
+  int batch, kv_head, n_block;
+  int q_rows, kv_cols;  // valid rows / keys of this batch
+  int m_begin, m_end;   // query blocks [m_begin, m_end) hold every row that keeps a key here
+  int steps;            // heads_per_kv * (m_end - m_begin)
+};
+
+template <class Cfg>
+__device__ KeyBlock key_block_of(const BwdParams& p) {
+  KeyBlock kb;
+  kb.n_block = blockIdx.x;
+  kb.kv_head = blockIdx.y;
+  kb.batch = blockIdx.z;
+  kb.q_rows = p.q_seqlens ? max(0, min(p.q_seqlens[kb.batch], p.q_len)) : p.q_len;
+  kb.kv_cols = p.kv_seqlens ? max(0, min(p.kv_seqlens[kb.batch], p.kv_len)) : p.kv_len;
+  const int c0 = kb.n_block * Cfg::kBlockN;
+  const int c1 = min(c0 + Cfg::kBlockN, kb.kv_cols) - 1;
+  const int row_lo = p.window_right >= 0 ? max(0, c0 - p.window_right) : 0;
+  const int row_hi = p.window_left >= 0 ? min(kb.q_rows - 1, c1 + p.window_left) : kb.q_rows - 1;
+  kb.m_begin = row_lo / Cfg::kBlockM;
+  kb.m_end = (c0 > c1 || row_hi < row_lo) ? kb.m_begin : row_hi / Cfg::kBlockM + 1;
+  kb.steps = p.heads_per_kv * (kb.m_end - kb.m_begin);
+  return kb;
+}
+
+struct Step {
+  int head, m_block;
+};
+__device__ __forceinline__ Step step_of(const BwdParams& p, const KeyBlock& kb, int it) {
+  const int per_head = kb.m_end - kb.m_begin;
+  return {kb.kv_head * p.heads_per_kv + it / per_head, kb.m_begin + it % per_head};
+}
+
+// Deterministic mode: the number of key blocks that add into query block m before key block
+// n (the key blocks touching m form a contiguous range starting at first_key_block).
+template <class Cfg>
+__device__ __forceinline__ int dq_turn(const BwdParams& p, int m_block, int n_block) {
+  const int col_lo = p.window_left >= 0 ? max(0, m_block * Cfg::kBlockM - p.window_left) : 0;
+  return n_block - col_lo / Cfg::kBlockN;
+}
+
+// ------------------------------------------------------------------------------------------
+// Producer
+// ------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+template <class Cfg>
+__device__ void run_producer(const BwdParams& p, const KeyBlock& kb, uint32_t smem,
+                             const BwdBarriers& bars) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_q)));
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_do)));
+  if (kb.steps == 0) return;
+  mbarrier_arrive_expect_tx(bars.kv_full, 2 * Cfg::kKVBytes);
+  tma_load_tile<Cfg::kSlabs, Cfg::kBlockN>(&p.tma_k, smem + Cfg::kKOffset, bars.kv_full,
+                                           kb.n_block * Cfg::kBlockN, kb.kv_head, kb.batch);
+  tma_load_tile<Cfg::kSlabs, Cfg::kBlockN>(&p.tma_v, smem + Cfg::kVOffset, bars.kv_full,
+                                           kb.n_block * Cfg::kBlockN, kb.kv_head, kb.batch);
+  for (int it = 0; it < kb.steps; ++it) {
+    const Step st = step_of(p, kb, it);
+    const int stage = it % Cfg::kStages;
+    const uint32_t phase = (it / Cfg::kStages) & 1;
+    const int row0 = st.m_block * Cfg::kBlockM;
+    const int64_t stats = (int64_t(kb.batch) * p.num_heads + st.head) * p.q_len_padded + row0;
+    mbarrier_wait(bars.empty + 8 * stage, phase ^ 1);
+    const uint32_t q_full = bars.q_full + 8 * stage, do_full = bars.do_full + 8 * stage;
+    mbarrier_arrive_expect_tx(q_full, Cfg::kQBytes + Cfg::kRowStatBytes);
+    tma_load_tile<Cfg::kSlabs, Cfg::kBlockM>(&p.tma_q, smem + Cfg::kQOffset + stage * Cfg::kQBytes,
+                                             q_full, row0, st.head, kb.batch);
+    bulk_load(smem + Cfg::kLseOffset + stage * Cfg::kRowStatBytes, p.lse_log2 + stats,
+              Cfg::kRowStatBytes, q_full);
+    mbarrier_arrive_expect_tx(do_full, Cfg::kQBytes + Cfg::kRowStatBytes);
+    tma_load_tile<Cfg::kSlabs, Cfg::kBlockM>(&p.tma_do,
+                                             smem + Cfg::kDoOffset + stage * Cfg::kQBytes, do_full,
+                                             row0, st.head, kb.batch);
+    bulk_load(smem + Cfg::kDsumOffset + stage * Cfg::kRowStatBytes, p.dsum + stats,
+              Cfg::kRowStatBytes, do_full);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Consumer GEMMs (one warpgroup)
+// ------------------------------------------------------------------------------------------
+
+// acc^T = X_w Y^T: X_w = this warpgroup's 64 key rows of K or V (x_rows: its row 0 in slab 0),
+// Y = the Q or dO tile of kBlockM rows; both K-major. Gives S^T or dP^T.
+template <class Cfg>
+__device__ __forceinline__ void issue_keys_by_queries(uint32_t x_rows, uint32_t y_tile,
+                                                      float (&acc)[Cfg::kBlockM / 2]) {
+  using Op = typename Gmma<typename Cfg::Element, Cfg::kBlockM>::SS;
+  constexpr auto idx = std::make_index_sequence<Cfg::kBlockM / 2>{};
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+    const uint32_t slab = kk / 4, column_bytes = (kk % 4) * 32;
+    const uint64_t a = kmajor_descriptor(x_rows + slab * Cfg::kBlockN * 128 + column_bytes);
+    const uint64_t b = kmajor_descriptor(y_tile + slab * Cfg::kBlockM * 128 + column_bytes);
+    gmma_ss<Op>(a, b, acc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
+  }
+}
+
+// acc += A Y with A (64 keys x kBlockM queries) in registers and Y the dO or Q tile MN-major:
+// dV += P^T dO, dK += dS^T Q.
+template <class Cfg>
+__device__ __forceinline__ void issue_key_gradient(const uint32_t (&a)[Cfg::kBlockM / 16][4],
+                                                   uint32_t y_tile,
+                                                   float (&acc)[Cfg::kHeadDim / 2]) {
+  using Op = typename Gmma<typename Cfg::Element, Cfg::kHeadDim>::RS;
+  constexpr auto idx = std::make_index_sequence<Cfg::kHeadDim / 2>{};
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk) {
+    const uint64_t b = mnmajor_descriptor(y_tile + kk * 16 * 128, Cfg::kBlockM * 128);
+    gmma_rs<Op>(a[kk], b, acc, idx);
+  }
+}
+
+// The m64n64k16 product with both operands MN-major in shared memory (dQ = dS K).
+template <typename Element>
+struct GmmaMN;
+template <>
+struct GmmaMN<__nv_bfloat16> {
+  using SS = gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::MN, gmma::Major::MN>;
+};
+template <>
+struct GmmaMN<__half> {
+  using SS = gmma::MMA_64x64x16_F32F16F16_SS<gmma::Major::MN, gmma::Major::MN>;
+};
+
+// dq = dS K for one 64 x 64 tile: dS rows (queries) of row tile `row_tile`, K columns of slab
+// `slab`, summed over the block's 128 keys. dS is stored keys-as-rows (MN-major for this A).
+template <class Cfg>
+__device__ __forceinline__ void issue_dq(uint32_t ds_tile, uint32_t k_tile, int row_tile,
+                                         int slab, float (&dq)[32]) {
+  using Op = typename GmmaMN<typename Cfg::Element>::SS;
+  constexpr auto idx = std::make_index_sequence<32>{};
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+    const uint64_t a = mnmajor_descriptor(ds_tile + row_tile * Cfg::kBlockN * 128 + kk * 2048,
+                                          Cfg::kBlockN * 128);
+    const uint64_t b = mnmajor_descriptor(k_tile + slab * Cfg::kBlockN * 128 + kk * 2048,
+                                          Cfg::kBlockN * 128);
+    gmma_ss<Op>(a, b, dq, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Consumer elementwise work
+// ------------------------------------------------------------------------------------------
+
+// Where this thread's accumulator elements sit: element i of an m64nN accumulator holds row
+// row0 + 8 * ((i / 2) % 2) and column 8 * (i / 4) + col0 + i % 2 (the wgmma D layout).
+struct Lane {
+  int row0, col0;
+  __device__ static Lane of(int thread_in_warpgroup) {
+    const int warp = thread_in_warpgroup / 32, lane = thread_in_warpgroup % 32;
+    return {16 * warp + lane / 4, 2 * (lane % 4)};
+  }
+};
+
+// For this thread's two key rows, the interval of kept query rows [lo, hi] (empty for keys
+// past kv_cols), or everything when the block needs no mask.
+struct KeptQueries {
+  int lo[2], hi[2];
+  bool masked;
+  template <class Cfg>
+  __device__ static KeptQueries of(const BwdParams& p, const KeyBlock& kb, int key_lo,
+                                   int key0, int query_lo) {
+    KeptQueries k;
+    const int key_hi = key_lo + 63, query_hi = query_lo + Cfg::kBlockM - 1;
+    k.masked = key_hi >= kb.kv_cols || query_hi >= kb.q_rows ||
+               (p.window_right >= 0 && key_hi > query_lo + p.window_right) ||
+               (p.window_left >= 0 && key_lo < query_hi - p.window_left);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = key0 + 8 * r;
+      k.lo[r] = p.window_right >= 0 ? key - p.window_right : 0;
+      k.hi[r] = kb.q_rows - 1;
+      if (p.window_left >= 0) k.hi[r] = min(k.hi[r], key + p.window_left);
+      if (key >= kb.kv_cols) k.hi[r] = -1;
+    }
+    return k;
+  }
+  __device__ __forceinline__ bool keeps(int r, int query) const {
+    return !masked || ((query >= lo[r]) & (query <= hi[r]));
+  }
+};
+
+// Row statistics of the step's query block in shared memory, read as pairs of columns.
+__device__ __forceinline__ float2 load_pair(const float* stats, int column) {
+  return *reinterpret_cast<const float2*>(stats + column);
+}
+
+// s (S^T) -> P^T in place, without softcap. Runs while the dP^T GEMM is in flight.
+template <class Cfg>
+__device__ __forceinline__ void probabilities(float (&s)[Cfg::kBlockM / 2], const BwdParams& p,
+                                              const KeptQueries& kept, const float* lse,
+                                              int query0, int col0) {
+#pragma unroll
+  for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
+    const float2 l = load_pair(lse, 8 * j + col0);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 4 * j + e, r = e / 2;
+      const float x = fmaf(s[i], p.scale_log2, -(e % 2 ? l.y : l.x));
+      s[i] = kept.keeps(r, query0 + 8 * j + e % 2) ? exp2_mufu(x) : 0.f;
+    }
+  }
+}
+
+// dp (dP^T) -> dS^T = P^T (dP^T - D) in place, P^T already in s.
+template <class Cfg>
+__device__ __forceinline__ void score_gradients(const float (&s)[Cfg::kBlockM / 2],
+                                                float (&dp)[Cfg::kBlockM / 2], const float* dsum,
+                                                int col0) {
+#pragma unroll
+  for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
+    const float2 d = load_pair(dsum, 8 * j + col0);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 4 * j + e;
+      dp[i] = s[i] * (dp[i] - (e % 2 ? d.y : d.x));
+    }
+  }
+}
+
+// With softcap: both at once, after both GEMMs (the chain factor needs the raw score).
+template <class Cfg>
+__device__ __forceinline__ void capped_probabilities_and_gradients(
+    float (&s)[Cfg::kBlockM / 2], float (&dp)[Cfg::kBlockM / 2], const BwdParams& p,
+    const KeptQueries& kept, const float* lse, const float* dsum, int query0, int col0) {
+#pragma unroll
+  for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
+    const float2 l = load_pair(lse, 8 * j + col0);
+    const float2 d = load_pair(dsum, 8 * j + col0);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 4 * j + e, r = e / 2;
+      const float t = tanh_mufu(s[i] * p.softcap_inv);
+      const float x = fmaf(p.softcap * t, p.scale_log2, -(e % 2 ? l.y : l.x));
+      const float prob = kept.keeps(r, query0 + 8 * j + e % 2) ? exp2_mufu(x) : 0.f;
+      dp[i] = prob * (dp[i] - (e % 2 ? d.y : d.x)) * (1.f - t * t);
+      s[i] = prob;
+    }
+  }
+}
+
+// 16 query columns of an accumulator form one A fragment (see the forward's P fragments).
+template <class Cfg>
+__device__ __forceinline__ void to_fragments(const float (&x)[Cfg::kBlockM / 2],
+                                             uint32_t (&a)[Cfg::kBlockM / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      a[kk][j] = pack2<typename Cfg::Element>(x[8 * kk + 2 * j], x[8 * kk + 2 * j + 1]);
+}
+
+// dS^T fragments -> shared memory, keys as rows, queries in 64-column slabs of 128-byte rows
+// (the 128-byte swizzle: 16-byte chunk c of row r lands at chunk c ^ (r % 8)). Each thread
+// writes its pairs of columns; a warp's 8 rows x 16 bytes hit 32 distinct banks.
+template <class Cfg>
+__device__ __forceinline__ void store_score_gradients(uint8_t* ds_tile, int key_row0, int col0,
+                                                      const uint32_t (&a)[Cfg::kBlockM / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      // a[kk][j] holds row key_row0 + 8 (j % 2), columns 16 kk + 8 (j / 2) + col0 (+1).
+      const int row = key_row0 + 8 * (j % 2);
+      const int column = 16 * kk + 8 * (j / 2) + col0;
+      const int slab = column / 64, chunk = (column % 64) / 8;
+      uint8_t* dst = ds_tile + slab * Cfg::kBlockN * 128 + row * 128 +
+                     ((chunk ^ (row % 8)) * 16) + (column % 8) * 2;
+      *reinterpret_cast<uint32_t*>(dst) = a[kk][j];
+    }
+}
+
+__device__ __forceinline__ void red_add_v4(float* address, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(address), "f"(a), "f"(b),
+               "f"(c), "f"(d)
+               : "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i] = 0.f;
+}
+
+// Named barrier ids (0 is __syncthreads): the two consumer warpgroups (256 threads).
+constexpr int kDsFreeBarrier = 1;   // both warpgroups' dQ GEMMs of the last step are done
+constexpr int kDsReadyBarrier = 2;  // both warpgroups' dS of this step are in shared memory
+constexpr int kDqOrderBarrier = 3;  // deterministic mode: this block's turn to add dQ
+constexpr int kConsumerThreads = 256;
+
+__device__ __forceinline__ int load_acquire(const int* address) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(address) : "memory");
+  return v;
+}
+
+// Adds this warpgroup's dQ tile into dq_accum. Deterministic mode: waits for the block's turn
+// (the semaphore counts the key blocks that have added), adds, and passes the turn on.
+template <class Cfg>
+__device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, const Step& st,
+                                       int warpgroup, int thread, const float (&dq)[32]) {
+  const int row_tile = st.m_block * Cfg::kDqRowTiles + warpgroup % Cfg::kDqRowTiles;
+  const int slab = warpgroup / Cfg::kDqRowTiles;
+  float* tile = DqAccum::tile(p.dq_accum, p, kb.batch, st.head, row_tile, slab, Cfg::kSlabs) +
+                4 * thread;
+  int* semaphore = nullptr;
+  if (p.dq_semaphore != nullptr) {
+    semaphore = p.dq_semaphore +
+                (int64_t(kb.batch) * p.num_heads + st.head) * (p.q_len_padded / kDqTileRows) +
+                st.m_block * Cfg::kDqRowTiles;
+    if (warpgroup == 0 && thread == 0) {
+      const int turn = dq_turn<Cfg>(p, st.m_block, kb.n_block);
+      while (load_acquire(semaphore) != turn) {
+      }
+    }
+    named_barrier_sync(kDqOrderBarrier, kConsumerThreads);
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    red_add_v4(tile + 512 * j, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+  if (semaphore != nullptr) {
+    named_barrier_sync(kDqOrderBarrier, kConsumerThreads);
+    if (warpgroup == 0 && thread == 0) {
+      __threadfence();
+      asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
+    }
+  }
+}
+
+// dK = scale * acc (scale = 1 for dV) for this thread's two key rows; rows past kv_len skipped.
+template <class Cfg>
+__device__ __forceinline__ void store_key_gradient(const BwdParams& p, void* dst,
+                                                   const KeyBlock& kb, int key0, int col0,
+                                                   const float (&acc)[Cfg::kHeadDim / 2],
+                                                   float scale) {
+  using Element = typename Cfg::Element;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + 8 * r;
+    if (key >= p.kv_len) continue;
+    Element* row = static_cast<Element*>(dst) +
+                   ((int64_t(kb.batch) * p.kv_len + key) * p.num_kv_heads + kb.kv_head) *
+                       Cfg::kHeadDim;
+#pragma unroll
+    for (int c = 0; c < Cfg::kHeadDim / 8; ++c) {
+      *reinterpret_cast<uint32_t*>(row + 8 * c + col0) =
+          pack2<Element>(acc[4 * c + 2 * r] * scale, acc[4 * c + 2 * r + 1] * scale);
+    }
+  }
+}
+
+template <class Cfg>
+__device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t smem,
+                             uint8_t* smem_ptr, const BwdBarriers& bars, int warpgroup) {
+  const int thread = threadIdx.x % 128;
+  const bool warp_leader = thread % 32 == 0;
+  const Lane lane = Lane::of(thread);
+  const int key_lo = kb.n_block * Cfg::kBlockN + 64 * warpgroup;  // this warpgroup's keys
+  const int key0 = key_lo + lane.row0;
+  const uint32_t k_tile = smem + Cfg::kKOffset, v_tile = smem + Cfg::kVOffset;
+  const uint32_t k_rows = k_tile + warpgroup * 64 * 128, v_rows = v_tile + warpgroup * 64 * 128;
+  const uint32_t ds_tile = smem + Cfg::kDsOffset;
+  const int dq_row_tile = warpgroup % Cfg::kDqRowTiles, dq_slab = warpgroup / Cfg::kDqRowTiles;
+
+  float dk[Cfg::kHeadDim / 2], dv[Cfg::kHeadDim / 2];
+  zero(dk);
+  zero(dv);
+  if (kb.steps > 0) mbarrier_wait(bars.kv_full, 0);
+  for (int it = 0; it < kb.steps; ++it) {
+    const Step st = step_of(p, kb, it);
+    const int stage = it % Cfg::kStages;
+    const uint32_t phase = (it / Cfg::kStages) & 1;
+    const uint32_t q_tile = smem + Cfg::kQOffset + stage * Cfg::kQBytes;
+    const uint32_t do_tile = smem + Cfg::kDoOffset + stage * Cfg::kQBytes;
+    const float* lse =
+        reinterpret_cast<const float*>(smem_ptr + Cfg::kLseOffset + stage * Cfg::kRowStatBytes);
+    const float* dsum =
+        reinterpret_cast<const float*>(smem_ptr + Cfg::kDsumOffset + stage * Cfg::kRowStatBytes);
+    const int query_lo = st.m_block * Cfg::kBlockM;
+    const KeptQueries kept = KeptQueries::of<Cfg>(p, kb, key_lo, key0, query_lo);
+    const int query0 = query_lo + lane.col0;
+
+    float s[Cfg::kBlockM / 2], dp[Cfg::kBlockM / 2];
+    mbarrier_wait(bars.q_full + 8 * stage, phase);
+    wgmma_fence();
+    issue_keys_by_queries<Cfg>(k_rows, q_tile, s);
+    wgmma_commit();
+    mbarrier_wait(bars.do_full + 8 * stage, phase);
+    issue_keys_by_queries<Cfg>(v_rows, do_tile, dp);
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_registers(s);
+    if (p.softcap == 0.f) probabilities<Cfg>(s, p, kept, lse, query0, lane.col0);
+    wgmma_wait<0>();
+    fence_registers(dp);
+    if (p.softcap == 0.f) {
+      score_gradients<Cfg>(s, dp, dsum, lane.col0);
+    } else {
+      capped_probabilities_and_gradients<Cfg>(s, dp, p, kept, lse, dsum, query0, lane.col0);
+    }
+
+    uint32_t pa[Cfg::kBlockM / 16][4], dsa[Cfg::kBlockM / 16][4];
+    to_fragments<Cfg>(s, pa);
+    to_fragments<Cfg>(dp, dsa);
+    wgmma_fence();
+    issue_key_gradient<Cfg>(pa, do_tile, dv);
+    issue_key_gradient<Cfg>(dsa, q_tile, dk);
+    wgmma_commit();
+
+    // dS^T to shared memory once both warpgroups' dQ GEMMs of the last step are done with it;
+    // the generic-proxy stores must be fenced before the tensor cores (async proxy) read them.
+    named_barrier_sync(kDsFreeBarrier, kConsumerThreads);
+    store_score_gradients<Cfg>(smem_ptr + Cfg::kDsOffset, 64 * warpgroup + lane.row0, lane.col0,
+                               dsa);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    named_barrier_sync(kDsReadyBarrier, kConsumerThreads);
+
+    float dq[32];
+    wgmma_fence();
+    issue_dq<Cfg>(ds_tile, k_tile, dq_row_tile, dq_slab, dq);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(dv);
+    fence_registers(dk);
+    fence_registers(dq);
+    fence_registers(pa);
+    fence_registers(dsa);
+    if (warp_leader) mbarrier_arrive(bars.empty + 8 * stage);
+    add_dq<Cfg>(p, kb, st, warpgroup, thread, dq);
+  }
+  store_key_gradient<Cfg>(p, p.dk, kb, key0, lane.col0, dk, p.scale);
+  store_key_gradient<Cfg>(p, p.dv, kb, key0, lane.col0, dv, 1.f);
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    v3_backward_kernel(const __grid_constant__ BwdParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  // TMA's 128-byte swizzle and the wgmma descriptors assume 1024-byte-aligned tiles.
+  const uint32_t raw = smem_address(smem_raw);
+  const uint32_t smem = (raw + 1023) & ~1023u;
+  uint8_t* smem_ptr = smem_raw + (smem - raw);
+  const BwdBarriers bars = BwdBarriers::at<Cfg>(smem + Cfg::kBarrierOffset);
+  constexpr uint32_t kEmptyArrivals = 4 * Cfg::kConsumerWarpgroups;  // one per consumer warp
+  if (threadIdx.x == 0) {
+    mbarrier_init(bars.kv_full, 1);
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      mbarrier_init(bars.q_full + 8 * s, 1);
+      mbarrier_init(bars.do_full + 8 * s, 1);
+      mbarrier_init(bars.empty + 8 * s, kEmptyArrivals);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  const KeyBlock kb = key_block_of<Cfg>(p);
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    shrink_registers<Cfg::kProducerRegisters>();
+    if (threadIdx.x == 0) run_producer<Cfg>(p, kb, smem, bars);
+  } else {
+    grow_registers<Cfg::kConsumerRegisters>();
+    run_consumer<Cfg>(p, kb, smem, smem_ptr, bars, warpgroup - 1);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Pre- and postprocessing
+// ------------------------------------------------------------------------------------------
+
+struct PrePostParams {
+  const void* out;
+  const void* dout;
+  const float* lse;
+  void* dq;
+  float* dq_accum;
+  float* dsum;
+  float* lse_log2;
+  int* dq_semaphore;  // null unless deterministic
+  int q_len, num_heads, head_dim, q_len_padded;
+  float scale;
+};
+
+// One CTA (8 warps) per 64 padded query rows of a (batch, head): D and lse_log2 of the rows
+// (one warp per row), the rows' dq_accum tiles zeroed, their semaphores cleared.
+template <typename Element>
+__global__ void __launch_bounds__(256) v3_backward_preprocess_kernel(
+    const __grid_constant__ PrePostParams p) {
+  const int row_tile = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t batch_head = int64_t(batch) * p.num_heads + head;
+  const int64_t stats = batch_head * p.q_len_padded;
+  for (int r = warp; r < kDqTileRows; r += 8) {
+    const int t = row_tile * kDqTileRows + r;
+    float sum = 0.f;
+    if (t < p.q_len) {
+      const int64_t offset = ((int64_t(batch) * p.q_len + t) * p.num_heads + head) * p.head_dim;
+      const Element* o = static_cast<const Element*>(p.out) + offset;
+      const Element* d = static_cast<const Element*>(p.dout) + offset;
+      for (int c = 2 * lane; c < p.head_dim; c += 64) {
+        sum += float(o[c]) * float(d[c]) + float(o[c + 1]) * float(d[c + 1]);
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (lane == 0) {
+      const float lse = t < p.q_len ? p.lse[batch_head * p.q_len + t] : -INFINITY;
+      p.dsum[stats + t] = sum;
+      p.lse_log2[stats + t] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    }
+  }
+  const int slabs = p.head_dim / 64;
+  float4* tile = reinterpret_cast<float4*>(
+      p.dq_accum + (stats / kDqTileRows + row_tile) * slabs * kDqTileFloats);
+  for (int i = threadIdx.x; i < slabs * kDqTileFloats / 4; i += 256)
+    tile[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (p.dq_semaphore != nullptr && threadIdx.x == 0)
+    p.dq_semaphore[stats / kDqTileRows + row_tile] = 0;
+}
+
+// One CTA (one warpgroup's worth of threads) per 64 padded query rows of a (batch, head):
+// dq = scale * dq_accum, reading each 64 x 64 tile in its fragment order.
+template <typename Element>
+__global__ void __launch_bounds__(128) v3_backward_postprocess_kernel(
+    const __grid_constant__ PrePostParams p) {
+  const int row_tile = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int thread = threadIdx.x;
+  const Lane lane = Lane::of(thread);
+  const int slabs = p.head_dim / 64;
+  const int64_t stats = (int64_t(batch) * p.num_heads + head) * p.q_len_padded;
+  for (int slab = 0; slab < slabs; ++slab) {
+    const float4* src = reinterpret_cast<const float4*>(
+        p.dq_accum + ((stats / kDqTileRows + row_tile) * slabs + slab) * kDqTileFloats +
+        4 * thread);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float4 v = src[128 * j];
+      const int column = slab * 64 + 8 * j + lane.col0;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int t = row_tile * kDqTileRows + lane.row0 + 8 * r;
+        if (t >= p.q_len) continue;
+        Element* row = static_cast<Element*>(p.dq) +
+                       ((int64_t(batch) * p.q_len + t) * p.num_heads + head) * p.head_dim;
+        *reinterpret_cast<uint32_t*>(row + column) =
+            pack2<Element>((r ? v.z : v.x) * p.scale, (r ? v.w : v.y) * p.scale);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Host side
+// ------------------------------------------------------------------------------------------
+
+template <typename Element, int kHeadDim>
+struct BwdConfigFor;
+template <typename Element>
+struct BwdConfigFor<Element, 64> {
+  using type = BwdConfig<Element, 64, 128>;
+};
+template <typename Element>
+struct BwdConfigFor<Element, 128> {
+  using type = BwdConfig<Element, 128, 64>;
+};
+
+template <class Cfg>
+cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bool deterministic,
+                        cudaStream_t stream) {
+  const AttentionShape& sh = a.fwd.shape;
+  BwdParams p;
+  if (!encode_tensor_map(&p.tma_q, a.fwd.q, a.fwd.dtype, sh.batch, sh.q_len, sh.num_heads,
+                         sh.head_dim, Cfg::kBlockM) ||
+      !encode_tensor_map(&p.tma_do, a.dout, a.fwd.dtype, sh.batch, sh.q_len, sh.num_heads,
+                         sh.head_dim, Cfg::kBlockM) ||
+      !encode_tensor_map(&p.tma_k, a.fwd.k, a.fwd.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
+                         sh.head_dim, Cfg::kBlockN) ||
+      !encode_tensor_map(&p.tma_v, a.fwd.v, a.fwd.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
+                         sh.head_dim, Cfg::kBlockN)) {
+    return cudaErrorInvalidValue;
+  }
+  p.dk = a.dk;
+  p.dv = a.dv;
+  p.dq_accum = ws.dq_accum;
+  p.dsum = ws.dsum;
+  p.lse_log2 = ws.lse_log2;
+  p.dq_semaphore = deterministic ? ws.dq_semaphore : nullptr;
+  p.q_seqlens = a.fwd.q_seqlens;
+  p.kv_seqlens = a.fwd.kv_seqlens;
+  p.q_len = int(sh.q_len);
+  p.kv_len = int(sh.kv_len);
+  p.num_heads = int(sh.num_heads);
+  p.num_kv_heads = int(sh.num_kv_heads);
+  p.heads_per_kv = int(sh.num_heads / sh.num_kv_heads);
+  p.q_len_padded = int(padded_rows(sh.q_len));
+  const MaskSpec& spec = a.fwd.spec;
+  p.scale = spec.scale;
+  p.softcap = spec.softcap > 0.f ? spec.softcap : 0.f;
+  p.softcap_inv = spec.softcap > 0.f ? spec.scale / spec.softcap : 0.f;
+  p.scale_log2 = (spec.softcap > 0.f ? 1.f : spec.scale) * kLog2e;
+  p.window_left = spec.window_left < 0 ? -1 : spec.window_left;
+  int right = spec.window_right < 0 ? -1 : spec.window_right;
+  if (spec.is_causal) right = right < 0 ? 0 : std::min(right, 0);
+  p.window_right = right;
+
+  const auto kernel = v3_backward_kernel<Cfg>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  // Key block 0 first: under causal masking it has the most query blocks, and deterministic
+  // mode needs lower key blocks dispatched before the higher ones that wait for them.
+  const dim3 grid(unsigned((sh.kv_len + Cfg::kBlockN - 1) / Cfg::kBlockN),
+                  unsigned(sh.num_kv_heads), unsigned(sh.batch));
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename Element>
+cudaError_t launch_all(const BackwardArgs& a, const V3BackwardWorkspace& ws, bool deterministic,
+                       cudaStream_t stream) {
+  const AttentionShape& sh = a.fwd.shape;
+  PrePostParams pp;
+  pp.out = a.fwd.out;
+  pp.dout = a.dout;
+  pp.lse = a.fwd.lse;
+  pp.dq = a.dq;
+  pp.dq_accum = ws.dq_accum;
+  pp.dsum = ws.dsum;
+  pp.lse_log2 = ws.lse_log2;
+  pp.dq_semaphore = deterministic ? ws.dq_semaphore : nullptr;
+  pp.q_len = int(sh.q_len);
+  pp.num_heads = int(sh.num_heads);
+  pp.head_dim = int(sh.head_dim);
+  pp.q_len_padded = int(padded_rows(sh.q_len));
+  pp.scale = a.fwd.spec.scale;
+  const dim3 row_grid(unsigned(pp.q_len_padded / kDqTileRows), unsigned(sh.num_heads),
+                      unsigned(sh.batch));
+  cudaError_t err;
+  if (sh.q_len > 0) {
+    v3_backward_preprocess_kernel<Element><<<row_grid, 256, 0, stream>>>(pp);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  err = sh.head_dim == 64
+            ? launch_main<typename BwdConfigFor<Element, 64>::type>(a, ws, deterministic, stream)
+            : launch_main<typename BwdConfigFor<Element, 128>::type>(a, ws, deterministic, stream);
+  if (err != cudaSuccess) return err;
+  if (sh.q_len > 0) {
+    v3_backward_postprocess_kernel<Element><<<row_grid, 128, 0, stream>>>(pp);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+V3BackwardWorkspaceBytes V3BackwardWorkspaceSizes(const AttentionShape& sh, bool deterministic) {
+  const int64_t rows = sh.batch * sh.num_heads * padded_rows(sh.q_len);
+  V3BackwardWorkspaceBytes b;
+  b.dq_accum = rows * sh.head_dim * 4;
+  b.dsum = rows * 4;
+  b.lse_log2 = rows * 4;
+  b.dq_semaphore = deterministic ? rows / kDqTileRows * 4 : 4;
+  return b;
+}
+
+const char* V3BackwardUnsupportedReason(const BackwardArgs& a) {
+  const AttentionShape& sh = a.fwd.shape;
+  if (a.fwd.dtype != DType::kBF16 && a.fwd.dtype != DType::kF16)
+    return "v3 backward needs bfloat16 or float16";
+  if (sh.head_dim != 64 && sh.head_dim != 128)
+    return "v3 backward needs head dim 64 or 128 (256: dK and dV do not fit in registers)";
+  if (a.fwd.bias.data != nullptr || a.dbias != nullptr)
+    return "v3 backward does not take a bias tensor";
+  if (a.fwd.mask.data != nullptr) return "v3 backward does not take a mask tensor";
+  if (!(a.fwd.spec.scale > 0.f)) return "v3 backward needs scale > 0";
+  if (sh.num_kv_heads <= 0 || sh.num_heads % sh.num_kv_heads != 0)
+    return "query heads must be a multiple of kv heads";
+  if (sh.kv_len < 1) return "v3 backward needs at least one key";
+  if (sh.batch > 65535 || sh.num_kv_heads > 65535 || sh.num_heads > 65535)
+    return "v3 backward launches batch and heads on grid dimensions of at most 65535";
+  if (padded_rows(sh.q_len) >= (int64_t(1) << 31) || sh.kv_len >= (int64_t(1) << 31))
+    return "v3 backward indexes rows with 32-bit integers";
+  DeviceInfo info;
+  if (current_device_info(&info) != cudaSuccess) return "no CUDA device";
+  if (info.major != 9 || info.minor != 0) return "v3 backward needs an sm_90 (Hopper) device";
+  return nullptr;
+}
+
+cudaError_t V3Backward(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
+                       bool deterministic, cudaStream_t stream) {
+  if (V3BackwardUnsupportedReason(args) != nullptr) return cudaErrorInvalidValue;
+  if (workspace.dq_accum == nullptr || workspace.dsum == nullptr ||
+      workspace.lse_log2 == nullptr || (deterministic && workspace.dq_semaphore == nullptr))
+    return cudaErrorInvalidValue;
+  if (args.fwd.shape.batch * args.fwd.shape.num_heads == 0) return cudaSuccess;
+  return args.fwd.dtype == DType::kBF16
+             ? launch_all<__nv_bfloat16>(args, workspace, deterministic, stream)
+             : launch_all<__half>(args, workspace, deterministic, stream);
+}
+
+}  // namespace jax_flash

@@ -1,0 +1,549 @@
+// Standalone test and benchmark of the v3 Hopper backward (cuda/v3_bwd_sm90.cu), with the v3
+// forward producing out / lse and the v2 backward (cuda/backward.cu) side by side.
+//
+//   check  dq, dk, dv against a float64 CPU reference (every element) on small and odd shapes;
+//          outputs NaN-poisoned before each run; run in both modes; deterministic mode run
+//          twice and compared bitwise
+//   bench  the 18 configs of /work/shared/BENCHMARK.md: v3 backward against the v2 backward
+//          (every element: max abs and rel. L2 between them) plus a NaN scan, then cudaEvent
+//          timings (median) of fwd, bwd and fwd+bwd in TFLOP/s (fwd+bwd = 3.5 x forward
+//          FLOPs, bwd = 2.5 x), v3 and v2 backward side by side; deterministic mode timed too.
+//
+// Build: tests/gpu/build_v3_bwd.sh (static cudart; runs on the H200 unchanged).
+// Exit status: 0 when every check passed.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../../cuda/v1v2.h"
+#include "../../cuda/v3.h"
+#include "harness_common.h"
+
+using jax_flash::BackwardArgs;
+using jax_flash::DType;
+using jax_flash::ForwardArgs;
+using harness::to_float;
+
+namespace {
+
+struct Case {
+  DType dtype;
+  int64_t B, T, S, N, K, H;
+  bool causal = false;
+  int window_left = -1, window_right = -1;
+  float softcap = 0.f;
+  std::vector<int32_t> q_seqlens, kv_seqlens;  // empty: not passed
+
+  std::string describe() const {
+    char buf[256];
+    std::snprintf(buf, sizeof buf, "%s B=%ld T=%ld S=%ld N=%ld K=%ld H=%ld%s win=(%d,%d)%s%s",
+                  dtype == DType::kBF16 ? "bf16" : "f16", long(B), long(T), long(S), long(N),
+                  long(K), long(H), causal ? " causal" : "", window_left, window_right,
+                  softcap > 0 ? " softcap" : "", q_seqlens.empty() ? "" : " varlen");
+    return buf;
+  }
+  double forward_flops() const {
+    return 4.0 * B * N * T * S * H * (causal && T == S ? 0.5 : 1.0);
+  }
+  float scale() const { return float(1.0 / std::sqrt(double(H))); }
+};
+
+// ---- random inputs on the device ------------------------------------------------------------
+
+__device__ uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+template <typename T>
+__global__ void fill_normal(T* x, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const uint64_t r = splitmix64(seed ^ (uint64_t(i) * 0x2545F4914F6CDD1Dull));
+    const float u1 = (float(r >> 40) + 1.f) * (1.f / 16777217.f);
+    const float u2 = float((r >> 16) & 0xFFFFFF) * (1.f / 16777216.f);
+    x[i] = T(sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
+  }
+}
+
+void fill_random(DType dtype, void* x, int64_t n, uint64_t seed) {
+  if (n == 0) return;
+  if (dtype == DType::kBF16)
+    fill_normal<<<1024, 256>>>(static_cast<__nv_bfloat16*>(x), n, seed);
+  else
+    fill_normal<<<1024, 256>>>(static_cast<__half*>(x), n, seed);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+T* device_alloc(int64_t count) {
+  void* p = nullptr;
+  CUDA_CHECK(cudaMalloc(&p, std::max<int64_t>(1, count) * sizeof(T)));
+  return static_cast<T*>(p);
+}
+
+std::vector<uint16_t> to_host16(const void* d, int64_t n) {
+  std::vector<uint16_t> h(n);
+  CUDA_CHECK(cudaMemcpy(h.data(), d, n * 2, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// ---- one problem on the device ---------------------------------------------------------------
+
+struct Problem {
+  Case c;
+  uint16_t *q, *k, *v, *out, *dout, *dq, *dk, *dv;
+  float* lse;
+  int32_t *q_seqlens = nullptr, *kv_seqlens = nullptr;
+  // v3 workspaces (deterministic sizes: a superset) and v2 workspaces.
+  float *dq_accum, *dsum, *lse_log2;
+  int32_t* dq_semaphore;
+  float *v2_dq_accum, *v2_dsum;
+
+  int64_t q_elems() const { return c.B * c.T * c.N * c.H; }
+  int64_t kv_elems() const { return c.B * c.S * c.K * c.H; }
+
+  Problem(const Case& cs, uint64_t seed) : c(cs) {
+    q = device_alloc<uint16_t>(q_elems());
+    out = device_alloc<uint16_t>(q_elems());
+    dout = device_alloc<uint16_t>(q_elems());
+    dq = device_alloc<uint16_t>(q_elems());
+    k = device_alloc<uint16_t>(kv_elems());
+    v = device_alloc<uint16_t>(kv_elems());
+    dk = device_alloc<uint16_t>(kv_elems());
+    dv = device_alloc<uint16_t>(kv_elems());
+    lse = device_alloc<float>(c.B * c.N * c.T);
+    const jax_flash::AttentionShape shape{c.B, c.T, c.S, c.N, c.K, c.H};
+    const jax_flash::V3BackwardWorkspaceBytes ws = jax_flash::V3BackwardWorkspaceSizes(shape, true);
+    dq_accum = device_alloc<float>(ws.dq_accum / 4);
+    dsum = device_alloc<float>(ws.dsum / 4);
+    lse_log2 = device_alloc<float>(ws.lse_log2 / 4);
+    dq_semaphore = device_alloc<int32_t>(ws.dq_semaphore / 4);
+    v2_dq_accum = device_alloc<float>(jax_flash::backward_dq_accum_elements(shape));
+    v2_dsum = device_alloc<float>(jax_flash::backward_dsum_elements(shape));
+    fill_random(c.dtype, q, q_elems(), seed * 5 + 1);
+    fill_random(c.dtype, k, kv_elems(), seed * 5 + 2);
+    fill_random(c.dtype, v, kv_elems(), seed * 5 + 3);
+    fill_random(c.dtype, dout, q_elems(), seed * 5 + 4);
+    if (!c.q_seqlens.empty()) {
+      q_seqlens = device_alloc<int32_t>(c.B);
+      CUDA_CHECK(cudaMemcpy(q_seqlens, c.q_seqlens.data(), c.B * 4, cudaMemcpyHostToDevice));
+    }
+    if (!c.kv_seqlens.empty()) {
+      kv_seqlens = device_alloc<int32_t>(c.B);
+      CUDA_CHECK(cudaMemcpy(kv_seqlens, c.kv_seqlens.data(), c.B * 4, cudaMemcpyHostToDevice));
+    }
+    CUDA_CHECK(jax_flash::V3Forward(forward_args(), 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  ~Problem() {
+    for (void* p : std::initializer_list<void*>{q, k, v, out, dout, dq, dk, dv, lse, q_seqlens,
+                                                kv_seqlens, dq_accum, dsum, lse_log2,
+                                                dq_semaphore, v2_dq_accum, v2_dsum})
+      cudaFree(p);
+  }
+
+  ForwardArgs forward_args() const {
+    ForwardArgs a;
+    a.shape = {c.B, c.T, c.S, c.N, c.K, c.H};
+    a.spec.scale = c.scale();
+    a.spec.softcap = c.softcap;
+    a.spec.is_causal = c.causal;
+    a.spec.window_left = c.window_left;
+    a.spec.window_right = c.window_right;
+    a.dtype = c.dtype;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.q_seqlens = q_seqlens;
+    a.kv_seqlens = kv_seqlens;
+    a.out = out;
+    a.lse = lse;
+    return a;
+  }
+  BackwardArgs backward_args() const {
+    BackwardArgs a;
+    a.fwd = forward_args();
+    a.dout = dout;
+    a.dq = dq;
+    a.dk = dk;
+    a.dv = dv;
+    return a;
+  }
+
+  void poison() {
+    CUDA_CHECK(cudaMemset(dq, 0xFF, q_elems() * 2));  // NaN in bf16 and fp16
+    CUDA_CHECK(cudaMemset(dk, 0xFF, kv_elems() * 2));
+    CUDA_CHECK(cudaMemset(dv, 0xFF, kv_elems() * 2));
+    // Workspaces too: the kernels must not depend on their previous contents.
+    const jax_flash::AttentionShape shape{c.B, c.T, c.S, c.N, c.K, c.H};
+    const jax_flash::V3BackwardWorkspaceBytes ws = jax_flash::V3BackwardWorkspaceSizes(shape, true);
+    CUDA_CHECK(cudaMemset(dq_accum, 0xFF, ws.dq_accum));
+    CUDA_CHECK(cudaMemset(dsum, 0xFF, ws.dsum));
+    CUDA_CHECK(cudaMemset(lse_log2, 0xFF, ws.lse_log2));
+    CUDA_CHECK(cudaMemset(dq_semaphore, 0x7F, ws.dq_semaphore));
+  }
+
+  cudaError_t launch_v3(bool deterministic) {
+    return jax_flash::V3Backward(backward_args(), {dq_accum, dsum, lse_log2, dq_semaphore},
+                                 deterministic, 0);
+  }
+  cudaError_t launch_v2() {
+    return jax_flash::launch_v2_backward(backward_args(), {v2_dq_accum, v2_dsum}, 0);
+  }
+  cudaError_t launch_forward() { return jax_flash::V3Forward(forward_args(), 0); }
+
+  struct Grads {
+    std::vector<uint16_t> dq, dk, dv;
+    bool operator==(const Grads& o) const { return dq == o.dq && dk == o.dk && dv == o.dv; }
+  };
+  Grads fetch() const {
+    return {to_host16(dq, q_elems()), to_host16(dk, kv_elems()), to_host16(dv, kv_elems())};
+  }
+};
+
+// ---- float64 reference of the gradients ----------------------------------------------------
+
+struct RefGrads {
+  std::vector<double> dq, dk, dv;
+};
+
+// Runs fn(i) for i in [0, n) on all host cores.
+void parallel_for(size_t n, const std::function<void(size_t)>& fn) {
+  const unsigned workers = std::max(1u, std::min(64u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (unsigned w = 0; w < workers; ++w)
+    pool.emplace_back([&, w] {
+      for (size_t i = w; i < n; i += workers) fn(i);
+    });
+  for (auto& th : pool) th.join();
+}
+
+// docs/architecture.md's backward in float64, from the bf16 / fp16 inputs. One task per
+// (batch, kv head) owns that head's dk / dv rows and its query heads' dq rows.
+RefGrads reference(const Case& c, const std::vector<uint16_t>& hq,
+                   const std::vector<uint16_t>& hk, const std::vector<uint16_t>& hv,
+                   const std::vector<uint16_t>& hdo) {
+  RefGrads g{std::vector<double>(hq.size()), std::vector<double>(hk.size()),
+             std::vector<double>(hv.size())};
+  const double scale = c.scale();
+  const auto f = [&](const std::vector<uint16_t>& x, int64_t i) { return double(to_float(x[i], c.dtype)); };
+  parallel_for(size_t(c.B * c.K), [&](size_t task) {
+    const int64_t b = int64_t(task) / c.K, kvh = int64_t(task) % c.K;
+    const int64_t q_rows = c.q_seqlens.empty() ? c.T : c.q_seqlens[b];
+    const int64_t kv_cols = c.kv_seqlens.empty() ? c.S : c.kv_seqlens[b];
+    const auto kidx = [&](int64_t s, int64_t h) { return ((b * c.S + s) * c.K + kvh) * c.H + h; };
+    std::vector<double> x(c.S), p(c.S), dp(c.S), chain(c.S);
+    std::vector<char> keep(c.S);
+    for (int64_t n = kvh * (c.N / c.K); n < (kvh + 1) * (c.N / c.K); ++n)
+      for (int64_t t = 0; t < c.T; ++t) {
+        const auto qidx = [&](int64_t h) { return ((b * c.T + t) * c.N + n) * c.H + h; };
+        double mx = -INFINITY;
+        for (int64_t s = 0; s < c.S; ++s) {
+          keep[s] = t < q_rows && s < kv_cols && (!c.causal || s <= t) &&
+                    (c.window_left < 0 || s >= t - c.window_left) &&
+                    (c.window_right < 0 || s <= t + c.window_right);
+          if (!keep[s]) continue;
+          double dot = 0;
+          for (int64_t h = 0; h < c.H; ++h) dot += f(hq, qidx(h)) * f(hk, kidx(s, h));
+          x[s] = scale * dot;
+          chain[s] = 1.0;
+          if (c.softcap > 0) {
+            const double th = std::tanh(x[s] / c.softcap);
+            x[s] = c.softcap * th;
+            chain[s] = 1.0 - th * th;
+          }
+          mx = std::max(mx, x[s]);
+        }
+        if (mx == -INFINITY) continue;  // no kept key: every gradient of the row is 0
+        double sum = 0;
+        for (int64_t s = 0; s < c.S; ++s) sum += keep[s] ? (p[s] = std::exp(x[s] - mx)) : 0.0;
+        double d = 0;  // D = sum_s p dp = dout . out
+        for (int64_t s = 0; s < c.S; ++s) {
+          if (!keep[s]) continue;
+          p[s] /= sum;
+          dp[s] = 0;
+          for (int64_t h = 0; h < c.H; ++h) dp[s] += f(hdo, qidx(h)) * f(hv, kidx(s, h));
+          d += p[s] * dp[s];
+        }
+        for (int64_t s = 0; s < c.S; ++s) {
+          if (!keep[s]) continue;
+          const double ds = p[s] * (dp[s] - d) * chain[s] * scale;
+          for (int64_t h = 0; h < c.H; ++h) {
+            g.dq[qidx(h)] += ds * f(hk, kidx(s, h));
+            g.dk[kidx(s, h)] += ds * f(hq, qidx(h));
+            g.dv[kidx(s, h)] += p[s] * f(hdo, qidx(h));
+          }
+        }
+      }
+  });
+  return g;
+}
+
+struct Errors {
+  double max_abs = 0, sq_err = 0, sq_ref = 0;
+  int64_t nan = 0;
+  double rel_l2() const { return sq_ref > 0 ? std::sqrt(sq_err / sq_ref) : std::sqrt(sq_err); }
+  void add(double got, double ref) {
+    if (std::isnan(got)) {
+      ++nan;
+      return;
+    }
+    const double d = std::fabs(got - ref);
+    max_abs = std::max(max_abs, d);
+    sq_err += d * d;
+    sq_ref += ref * ref;
+  }
+};
+
+template <typename Ref>
+Errors compare(const std::vector<uint16_t>& got, const Ref& ref, DType dtype) {
+  Errors e;
+  for (size_t i = 0; i < got.size(); ++i) e.add(to_float(got[i], dtype), double(ref[i]));
+  return e;
+}
+
+// Gradients are O(1) here (random normal inputs and dout); bf16 rounds P, dS and the outputs.
+bool within_tolerance(const Errors& e, DType dtype) {
+  const double rel = dtype == DType::kBF16 ? 2e-2 : 5e-3;
+  return e.nan == 0 && e.rel_l2() <= rel;
+}
+
+bool report(const char* what, const Case& c, const Errors (&e)[3], bool extra_ok,
+            const char* extra) {
+  bool ok = extra_ok;
+  for (const Errors& x : e) ok &= within_tolerance(x, c.dtype);
+  std::printf("%-4s %-14s %-62s", ok ? "ok" : "FAIL", what, c.describe().c_str());
+  const char* names[3] = {"dq", "dk", "dv"};
+  for (int i = 0; i < 3; ++i)
+    std::printf(" %s max_abs=%.2e rel_l2=%.2e nan=%ld", names[i], e[i].max_abs, e[i].rel_l2(),
+                long(e[i].nan));
+  std::printf("%s\n", extra);
+  std::fflush(stdout);
+  return ok;
+}
+
+// ---- check ------------------------------------------------------------------------------------
+
+std::vector<Case> check_cases() {
+  const DType bf = DType::kBF16, hf = DType::kF16;
+  std::vector<Case> cs;
+  cs.push_back({bf, 1, 1, 1, 1, 1, 64});
+  cs.push_back({bf, 2, 17, 17, 2, 2, 128});
+  cs.push_back({hf, 1, 97, 97, 4, 4, 64, true});
+  cs.push_back({bf, 1, 1030, 1030, 2, 2, 128});
+  cs.push_back({bf, 1, 1030, 1030, 2, 1, 64, true});
+  cs.push_back({bf, 2, 130, 333, 4, 1, 128});         // T < S, GQA 4:1
+  cs.push_back({hf, 1, 333, 130, 8, 2, 128, true});  // T > S, GQA 4:1
+  cs.push_back({bf, 1, 200, 300, 8, 1, 64});          // MQA
+  Case w{bf, 1, 257, 257, 4, 1, 128};
+  w.window_left = 50;
+  w.window_right = 20;
+  cs.push_back(w);
+  Case sw{hf, 1, 600, 600, 2, 2, 64, true};
+  sw.window_left = 100;
+  cs.push_back(sw);
+  Case sc{bf, 2, 100, 700, 2, 2, 64};
+  sc.softcap = 30.f;
+  cs.push_back(sc);
+  Case scc{bf, 1, 300, 300, 4, 2, 128, true};
+  scc.softcap = 5.f;
+  cs.push_back(scc);
+  Case vl{bf, 3, 150, 170, 4, 2, 128, true};
+  vl.q_seqlens = {150, 77, 0};
+  vl.kv_seqlens = {170, 1, 90};
+  cs.push_back(vl);
+  Case v2{hf, 2, 200, 300, 4, 2, 64};
+  v2.q_seqlens = {133, 200};
+  v2.kv_seqlens = {300, 45};
+  cs.push_back(v2);
+  return cs;
+}
+
+bool check_case(const Case& c, uint64_t seed) {
+  Problem pb(c, seed);
+  const RefGrads ref = reference(c, to_host16(pb.q, pb.q_elems()), to_host16(pb.k, pb.kv_elems()),
+                                 to_host16(pb.v, pb.kv_elems()), to_host16(pb.dout, pb.q_elems()));
+  const auto errors_of = [&](const Problem::Grads& g, Errors (&e)[3]) {
+    e[0] = compare(g.dq, ref.dq, c.dtype);
+    e[1] = compare(g.dk, ref.dk, c.dtype);
+    e[2] = compare(g.dv, ref.dv, c.dtype);
+  };
+  bool ok = true;
+  Errors e[3];
+  pb.poison();
+  CUDA_CHECK(pb.launch_v3(false));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  errors_of(pb.fetch(), e);
+  ok &= report("v3", c, e, true, "");
+
+  pb.poison();
+  CUDA_CHECK(pb.launch_v3(true));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const Problem::Grads first = pb.fetch();
+  pb.poison();
+  CUDA_CHECK(pb.launch_v3(true));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const Problem::Grads second = pb.fetch();
+  const bool repeatable = first == second;
+  errors_of(second, e);
+  ok &= report("v3-determ", c, e, repeatable, repeatable ? " bitwise-repeatable" : " NOT-REPEATABLE");
+
+  pb.poison();
+  CUDA_CHECK(pb.launch_v2());
+  CUDA_CHECK(cudaDeviceSynchronize());
+  errors_of(pb.fetch(), e);
+  ok &= report("v2", c, e, true, "");
+  return ok;
+}
+
+// ---- bench ------------------------------------------------------------------------------------
+
+std::vector<Case> grid_cases() {
+  std::vector<Case> cs;
+  for (int64_t h : {64, 128, 256})
+    for (int64_t t : {1024, 4096, 16384})
+      for (bool causal : {false, true}) {
+        const int64_t n = 2048 / h, b = 16384 / t;
+        cs.push_back({DType::kBF16, b, t, t, n, n, h, causal});
+      }
+  return cs;
+}
+
+// Median milliseconds of `launch` over reps, each between its own pair of events.
+double time_ms(const std::function<void()>& launch, int warmup, int reps) {
+  for (int i = 0; i < warmup; ++i) launch();
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<cudaEvent_t> ev(2 * reps);
+  for (auto& e : ev) CUDA_CHECK(cudaEventCreate(&e));
+  for (int i = 0; i < reps; ++i) {
+    CUDA_CHECK(cudaEventRecord(ev[2 * i], 0));
+    launch();
+    CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], 0));
+  }
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<double> ms(reps);
+  for (int i = 0; i < reps; ++i) {
+    float m;
+    CUDA_CHECK(cudaEventElapsedTime(&m, ev[2 * i], ev[2 * i + 1]));
+    ms[i] = m;
+  }
+  for (auto& e : ev) CUDA_CHECK(cudaEventDestroy(e));
+  std::sort(ms.begin(), ms.end());
+  return ms[reps / 2];
+}
+
+bool bench(int reps) {
+  bool all_ok = true;
+  std::vector<std::string> table;
+  uint64_t seed = 2000;
+  for (const Case& c : grid_cases()) {
+    Problem pb(c, ++seed);
+    const bool has_v3 = jax_flash::V3BackwardUnsupportedReason(pb.backward_args()) == nullptr;
+    // v2 is the float64-verified backward: v3 must agree with it on every element.
+    pb.poison();
+    CUDA_CHECK(pb.launch_v2());
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const Problem::Grads v2 = pb.fetch();
+    if (has_v3) {
+      pb.poison();
+      CUDA_CHECK(pb.launch_v3(false));
+      CUDA_CHECK(cudaDeviceSynchronize());
+      const Problem::Grads v3 = pb.fetch();
+      const auto as_double = [&](const std::vector<uint16_t>& x) {
+        std::vector<double> d(x.size());
+        for (size_t i = 0; i < x.size(); ++i) d[i] = to_float(x[i], c.dtype);
+        return d;
+      };
+      Errors e[3] = {compare(v3.dq, as_double(v2.dq), c.dtype),
+                     compare(v3.dk, as_double(v2.dk), c.dtype),
+                     compare(v3.dv, as_double(v2.dv), c.dtype)};
+      all_ok &= report("v3 vs v2", c, e, true, "");
+    }
+    const double fwd = time_ms([&] { CUDA_CHECK(pb.launch_forward()); }, 3, reps);
+    const double bwd_v2 = time_ms([&] { CUDA_CHECK(pb.launch_v2()); }, 3, reps);
+    double bwd_v3 = NAN, bwd_v3_det = NAN, both_v3 = NAN;
+    if (has_v3) {
+      bwd_v3 = time_ms([&] { CUDA_CHECK(pb.launch_v3(false)); }, 3, reps);
+      bwd_v3_det = time_ms([&] { CUDA_CHECK(pb.launch_v3(true)); }, 3, reps);
+      both_v3 = time_ms(
+          [&] {
+            CUDA_CHECK(pb.launch_forward());
+            CUDA_CHECK(pb.launch_v3(false));
+          },
+          3, reps);
+    }
+    const double both_v2 = time_ms(
+        [&] {
+          CUDA_CHECK(pb.launch_forward());
+          CUDA_CHECK(pb.launch_v2());
+        },
+        3, reps);
+    const double f = c.forward_flops();
+    const auto tflops = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "%4ld %6ld %d | %7.3f %7.1f | %7.3f %7.1f %7.3f %7.1f | %7.1f %7.1f | %7.3f",
+                  long(c.H), long(c.T), int(c.causal), fwd, tflops(f, fwd), bwd_v3,
+                  tflops(2.5 * f, bwd_v3), bwd_v2, tflops(2.5 * f, bwd_v2),
+                  tflops(3.5 * f, both_v3), tflops(3.5 * f, both_v2), bwd_v3_det);
+    table.push_back(buf);
+    std::printf("time %s\n", buf);
+    std::fflush(stdout);
+  }
+  std::printf(
+      "\nfwd+bwd, bf16, cudaEvent median of %d (ms, TFLOP/s; bwd = 2.5x, fwd+bwd = 3.5x forward "
+      "FLOPs; fwd = v3 forward; nan = v3 backward does not run this head dim)\n",
+      reps);
+  std::printf("   H      T c |  fwd ms  fwd TF | v3b ms  v3b TF  v2b ms  v2b TF | f+b(v3) f+b(v2) "
+              "| v3b-det ms\n");
+  for (const std::string& l : table) std::printf("%s\n", l.c_str());
+  return all_ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool ok = true;
+  cudaDeviceProp prop;
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, sm_%d%d, %d SMs\n", prop.name, prop.major, prop.minor,
+              prop.multiProcessorCount);
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: %s [check] [small] [--bench]\n", argv[0]);
+    return 2;
+  }
+  for (int i = 1; i < argc; ++i) {
+    const std::string mode = argv[i];
+    if (mode == "check") {
+      uint64_t seed = 1;
+      for (const Case& c : check_cases()) ok &= check_case(c, ++seed);
+    } else if (mode == "small") {  // for compute-sanitizer
+      Case c{DType::kBF16, 2, 150, 200, 4, 2, 128, true};
+      c.q_seqlens = {150, 100};
+      c.kv_seqlens = {200, 120};
+      ok &= check_case(c, 7);
+      ok &= check_case({DType::kF16, 1, 130, 90, 2, 1, 64}, 8);
+    } else if (mode == "--bench" || mode == "bench") {
+      ok &= bench(10);
+    } else {
+      std::fprintf(stderr, "usage: %s [check] [small] [--bench]\n", argv[0]);
+      return 2;
+    }
+  }
+  std::printf("%s\n", ok ? "ALL PASSED" : "SOME CHECKS FAILED");
+  return ok ? 0 : 1;
+}
