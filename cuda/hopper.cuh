@@ -196,6 +196,35 @@ __device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t b, floa
   Op::fma(a[0], a[1], a[2], a[3], b, d[I]..., gmma::ScaleOut::One);
 }
 
+// acc = A Bᵀ over the head dim, both operands K-major in 64-column slabs of 128-byte rows:
+// A is 64 rows starting at a_rows, B the tile at b_tile; *_slab_bytes step one slab of each.
+template <class Op, int kHeadDim, int kAcc>
+__device__ __forceinline__ void gemm_ss_kmajor(uint32_t a_rows, uint32_t a_slab_bytes,
+                                               uint32_t b_tile, uint32_t b_slab_bytes,
+                                               float (&acc)[kAcc]) {
+  constexpr auto idx = std::make_index_sequence<kAcc>{};
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    const uint32_t slab = kk / 4, column_bytes = (kk % 4) * 32;
+    const uint64_t a = kmajor_descriptor(a_rows + slab * a_slab_bytes + column_bytes);
+    const uint64_t b = kmajor_descriptor(b_tile + slab * b_slab_bytes + column_bytes);
+    gmma_ss<Op>(a, b, acc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
+  }
+}
+
+// acc += A B with A in registers (kSteps fragments of 16 columns each) and B MN-major in
+// shared memory at b_tile, b_slab_bytes apart per 64-column slab.
+template <class Op, int kSteps, int kAcc>
+__device__ __forceinline__ void gemm_rs_mnmajor(const uint32_t (&a)[kSteps][4], uint32_t b_tile,
+                                                uint32_t b_slab_bytes, float (&acc)[kAcc]) {
+  constexpr auto idx = std::make_index_sequence<kAcc>{};
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    const uint64_t b = mnmajor_descriptor(b_tile + kk * 16 * 128, b_slab_bytes);
+    gmma_rs<Op>(a[kk], b, acc, idx);
+  }
+}
+
 template <typename Element>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi);
 template <>

@@ -264,14 +264,7 @@ template <class Cfg>
 __device__ __forceinline__ void issue_keys_by_queries(uint32_t x_rows, uint32_t y_tile,
                                                       float (&acc)[Cfg::kBlockM / 2]) {
   using Op = typename Gmma<typename Cfg::Element, Cfg::kBlockM>::SS;
-  constexpr auto idx = std::make_index_sequence<Cfg::kBlockM / 2>{};
-#pragma unroll
-  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
-    const uint32_t slab = kk / 4, column_bytes = (kk % 4) * 32;
-    const uint64_t a = kmajor_descriptor(x_rows + slab * Cfg::kBlockN * 128 + column_bytes);
-    const uint64_t b = kmajor_descriptor(y_tile + slab * Cfg::kBlockM * 128 + column_bytes);
-    gmma_ss<Op>(a, b, acc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
-  }
+  gemm_ss_kmajor<Op, Cfg::kHeadDim>(x_rows, Cfg::kBlockN * 128, y_tile, Cfg::kBlockM * 128, acc);
 }
 
 // acc += A Y with A (64 keys x kBlockM queries) in registers and Y the dO or Q tile MN-major:
@@ -281,12 +274,7 @@ __device__ __forceinline__ void issue_key_gradient(const uint32_t (&a)[Cfg::kBlo
                                                    uint32_t y_tile,
                                                    float (&acc)[Cfg::kHeadDim / 2]) {
   using Op = typename Gmma<typename Cfg::Element, Cfg::kHeadDim>::RS;
-  constexpr auto idx = std::make_index_sequence<Cfg::kHeadDim / 2>{};
-#pragma unroll
-  for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk) {
-    const uint64_t b = mnmajor_descriptor(y_tile + kk * 16 * 128, Cfg::kBlockM * 128);
-    gmma_rs<Op>(a[kk], b, acc, idx);
-  }
+  gemm_rs_mnmajor<Op>(a, y_tile, Cfg::kBlockM * 128, acc);
 }
 
 // The m64n64k16 product with both operands MN-major in shared memory (dQ = dS K).

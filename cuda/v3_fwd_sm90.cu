@@ -138,14 +138,7 @@ template <class Cfg>
 __device__ __forceinline__ void issue_qk(uint32_t q_rows, uint32_t k_tile,
                                          float (&s)[Cfg::kBlockN / 2]) {
   using Op = typename Gmma<typename Cfg::Element, Cfg::kBlockN>::SS;
-  constexpr auto idx = std::make_index_sequence<Cfg::kBlockN / 2>{};
-#pragma unroll
-  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
-    const uint32_t slab = kk / 4, column_bytes = (kk % 4) * 32;
-    const uint64_t a = kmajor_descriptor(q_rows + slab * Cfg::kBlockM * 128 + column_bytes);
-    const uint64_t b = kmajor_descriptor(k_tile + slab * Cfg::kBlockN * 128 + column_bytes);
-    gmma_ss<Op>(a, b, s, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
-  }
+  gemm_ss_kmajor<Op, Cfg::kHeadDim>(q_rows, Cfg::kBlockM * 128, k_tile, Cfg::kBlockN * 128, s);
 }
 
 // o += P V with P in registers (the A fragments of 16-column steps) and V MN-major.
@@ -153,12 +146,7 @@ template <class Cfg>
 __device__ __forceinline__ void issue_pv(const uint32_t (&p)[Cfg::kBlockN / 16][4],
                                          uint32_t v_tile, float (&o)[Cfg::kHeadDim / 2]) {
   using Op = typename Gmma<typename Cfg::Element, Cfg::kHeadDim>::RS;
-  constexpr auto idx = std::make_index_sequence<Cfg::kHeadDim / 2>{};
-#pragma unroll
-  for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
-    const uint64_t b = mnmajor_descriptor(v_tile + kk * 16 * 128, Cfg::kBlockN * 128);
-    gmma_rs<Op>(p[kk], b, o, idx);
-  }
+  gemm_rs_mnmajor<Op>(p, v_tile, Cfg::kBlockN * 128, o);
 }
 
 // ------------------------------------------------------------------------------------------

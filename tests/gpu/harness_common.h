@@ -5,10 +5,15 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
 
 #include "../../cuda/attention_args.h"
 
@@ -48,6 +53,47 @@ inline float to_float(uint16_t bits, jax_flash::DType dtype) {
   __half v;
   std::memcpy(&v, &bits, 2);
   return __half2float(v);
+}
+
+// Runs fn(i) for i in [0, n) on all host cores (the float64 references are the slow part).
+inline void parallel_for(size_t n, const std::function<void(size_t)>& fn) {
+  const size_t workers = std::max<size_t>(1, std::thread::hardware_concurrency());
+  std::atomic<size_t> next{0};
+  std::vector<std::thread> pool;
+  for (size_t w = 0; w < std::min(workers, n); ++w)
+    pool.emplace_back([&] {
+      for (size_t i; (i = next++) < n;) fn(i);
+    });
+  for (auto& th : pool) th.join();
+}
+
+__device__ inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Standard normal values (Box-Muller on a counter-based hash), rounded to T.
+template <typename T>
+__global__ void fill_normal(T* x, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const uint64_t r = splitmix64(seed ^ (uint64_t(i) * 0x2545F4914F6CDD1Dull));
+    const float u1 = (float(r >> 40) + 1.f) * (1.f / 16777217.f);  // (0, 1]
+    const float u2 = float((r >> 16) & 0xFFFFFF) * (1.f / 16777216.f);
+    x[i] = T(sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
+  }
+}
+
+// Fills n bf16 / f16 device elements with random normal values.
+inline void fill_random(jax_flash::DType dtype, void* x, int64_t n, uint64_t seed) {
+  if (n == 0) return;
+  if (dtype == jax_flash::DType::kBF16)
+    fill_normal<<<1024, 256>>>(static_cast<__nv_bfloat16*>(x), n, seed);
+  else
+    fill_normal<<<1024, 256>>>(static_cast<__half*>(x), n, seed);
+  CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace harness

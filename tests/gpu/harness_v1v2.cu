@@ -49,6 +49,7 @@ using jax_flash::BackwardWorkspace;
 using jax_flash::DType;
 using jax_flash::ForwardArgs;
 using harness::to_bits;
+using harness::parallel_for;
 using harness::to_float;
 
 namespace {
@@ -219,18 +220,6 @@ RowRef ref_row(const Problem& p, int b, int n, int t) {
     for (int i = 0; i < c.h; ++i) row.out[i] += w * v[i];
   }
   return row;
-}
-
-// Runs f(i) for i in [0, n) on all hardware threads.
-void parallel_for(int n, const std::function<void(int)>& f) {
-  const int workers = std::max(1u, std::thread::hardware_concurrency());
-  std::vector<std::thread> pool;
-  std::atomic<int> next{0};
-  for (int w = 0; w < std::min(workers, n); ++w)
-    pool.emplace_back([&] {
-      for (int i; (i = next++) < n;) f(i);
-    });
-  for (auto& th : pool) th.join();
 }
 
 struct ForwardRef {

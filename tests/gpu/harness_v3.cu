@@ -36,6 +36,8 @@
 using jax_flash::DType;
 using jax_flash::ForwardArgs;
 using jax_flash::V3Tuning;
+using harness::fill_random;
+using harness::parallel_for;
 using harness::to_float;
 
 namespace {
@@ -74,30 +76,6 @@ struct Case {
 
 // ---- random inputs, generated on the device -------------------------------------------
 
-__device__ uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-template <typename T>
-__global__ void fill_normal(T* x, int64_t n, uint64_t seed) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const uint64_t r = splitmix64(seed ^ (uint64_t(i) * 0x2545F4914F6CDD1Dull));
-    const float u1 = (float(r >> 40) + 1.f) * (1.f / 16777217.f);  // (0, 1]
-    const float u2 = float((r >> 16) & 0xFFFFFF) * (1.f / 16777216.f);
-    x[i] = T(sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
-  }
-}
-
-template <typename T>
-void fill_random(void* x, int64_t n, uint64_t seed) {
-  fill_normal<T><<<1024, 256>>>(static_cast<T*>(x), n, seed);
-  CUDA_CHECK(cudaGetLastError());
-}
-
 // ---- the problem on the device and its host copies --------------------------------------
 
 struct Problem {
@@ -117,10 +95,9 @@ struct Problem {
     CUDA_CHECK(cudaMalloc(&v, std::max<int64_t>(1, kv_elems()) * 2));
     CUDA_CHECK(cudaMalloc(&out, q_elems() * 2));
     CUDA_CHECK(cudaMalloc(&lse, c.B * c.N * c.T * 4));
-    const auto fill = c.dtype == DType::kBF16 ? fill_random<__nv_bfloat16> : fill_random<__half>;
-    fill(q, q_elems(), seed * 3 + 1);
-    fill(k, kv_elems(), seed * 3 + 2);
-    fill(v, kv_elems(), seed * 3 + 3);
+    fill_random(c.dtype, q, q_elems(), seed * 3 + 1);
+    fill_random(c.dtype, k, kv_elems(), seed * 3 + 2);
+    fill_random(c.dtype, v, kv_elems(), seed * 3 + 3);
     if (!c.q_seqlens.empty()) {
       CUDA_CHECK(cudaMalloc(&q_seqlens, c.B * 4));
       CUDA_CHECK(cudaMemcpy(q_seqlens, c.q_seqlens.data(), c.B * 4, cudaMemcpyHostToDevice));
@@ -243,18 +220,6 @@ struct Errors {
   int64_t bad_lse = 0;  // -inf mismatches or NaN
   double rel_l2() const { return sq_ref > 0 ? std::sqrt(sq_err / sq_ref) : std::sqrt(sq_err); }
 };
-
-// Runs fn(i) for i in [0, n) on all host cores.
-void parallel_for(size_t n, const std::function<void(size_t)>& fn) {
-  const unsigned workers = std::max(1u, std::min(64u, std::thread::hardware_concurrency()));
-  std::vector<std::thread> pool;
-  for (unsigned w = 0; w < workers; ++w) {
-    pool.emplace_back([&, w] {
-      for (size_t i = w; i < n; i += workers) fn(i);
-    });
-  }
-  for (auto& th : pool) th.join();
-}
 
 std::vector<RowRef> reference_rows(const Problem& pb, const std::vector<RowId>& rows) {
   std::vector<RowRef> refs(rows.size());

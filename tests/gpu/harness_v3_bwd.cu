@@ -33,6 +33,8 @@
 using jax_flash::BackwardArgs;
 using jax_flash::DType;
 using jax_flash::ForwardArgs;
+using harness::fill_random;
+using harness::parallel_for;
 using harness::to_float;
 
 namespace {
@@ -60,33 +62,6 @@ struct Case {
 };
 
 // ---- random inputs on the device ------------------------------------------------------------
-
-__device__ uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-template <typename T>
-__global__ void fill_normal(T* x, int64_t n, uint64_t seed) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const uint64_t r = splitmix64(seed ^ (uint64_t(i) * 0x2545F4914F6CDD1Dull));
-    const float u1 = (float(r >> 40) + 1.f) * (1.f / 16777217.f);
-    const float u2 = float((r >> 16) & 0xFFFFFF) * (1.f / 16777216.f);
-    x[i] = T(sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
-  }
-}
-
-void fill_random(DType dtype, void* x, int64_t n, uint64_t seed) {
-  if (n == 0) return;
-  if (dtype == DType::kBF16)
-    fill_normal<<<1024, 256>>>(static_cast<__nv_bfloat16*>(x), n, seed);
-  else
-    fill_normal<<<1024, 256>>>(static_cast<__half*>(x), n, seed);
-  CUDA_CHECK(cudaGetLastError());
-}
 
 template <typename T>
 T* device_alloc(int64_t count) {
@@ -220,17 +195,6 @@ struct Problem {
 struct RefGrads {
   std::vector<double> dq, dk, dv;
 };
-
-// Runs fn(i) for i in [0, n) on all host cores.
-void parallel_for(size_t n, const std::function<void(size_t)>& fn) {
-  const unsigned workers = std::max(1u, std::min(64u, std::thread::hardware_concurrency()));
-  std::vector<std::thread> pool;
-  for (unsigned w = 0; w < workers; ++w)
-    pool.emplace_back([&, w] {
-      for (size_t i = w; i < n; i += workers) fn(i);
-    });
-  for (auto& th : pool) th.join();
-}
 
 // docs/architecture.md's backward in float64, from the bf16 / fp16 inputs. One task per
 // (batch, kv head) owns that head's dk / dv rows and its query heads' dq rows.
