@@ -10,6 +10,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <mutex>
@@ -236,6 +237,44 @@ template <>
 __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   const __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Where this thread's accumulator elements sit: element i of an m64nN wgmma accumulator holds
+// row row0 + 8 * ((i / 2) % 2) and column 8 * (i / 4) + col0 + i % 2 (the wgmma D layout).
+struct Lane {
+  int row0;  // row within the warpgroup's 64
+  int col0;  // column within an 8-column chunk
+  __device__ static Lane of(int thread_in_warpgroup) {
+    const int warp = thread_in_warpgroup / 32, lane = thread_in_warpgroup % 32;
+    return {16 * warp + lane / 4, 2 * (lane % 4)};
+  }
+};
+
+// An m64nN accumulator as the A operand of the next wgmma: 16 columns form one A fragment,
+// registers (row, cols 2q..2q+1), (row+8, same), (row, cols 8+2q..), (row+8, ...), i.e.
+// consecutive accumulator pairs.
+template <typename Element, int kSteps>
+__device__ __forceinline__ void accumulator_to_fragments(const float (&x)[kSteps * 8],
+                                                         uint32_t (&a)[kSteps][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a[kk][j] = pack2<Element>(x[8 * kk + 2 * j], x[8 * kk + 2 * j + 1]);
+}
+
+// The score parameters of a MaskSpec as the v3 kernels read them: softcap (0 = off), the
+// tanh argument scale, the exp2 exponent scale (with softcap the capped score is already
+// scaled; the exponent only converts to log2) and the window with causal folded in (-1 =
+// unbounded). Params: any struct with these five fields.
+template <class Params>
+void set_score_params(Params& p, const MaskSpec& spec) {
+  p.softcap = spec.softcap > 0.f ? spec.softcap : 0.f;
+  p.softcap_inv = spec.softcap > 0.f ? spec.scale / spec.softcap : 0.f;
+  p.scale_log2 = (spec.softcap > 0.f ? 1.f : spec.scale) * kLog2e;
+  p.window_left = spec.window_left < 0 ? -1 : spec.window_left;
+  int right = spec.window_right < 0 ? -1 : spec.window_right;
+  if (spec.is_causal) right = right < 0 ? 0 : std::min(right, 0);
+  p.window_right = right;
 }
 
 // ------------------------------------------------------------------------------------------

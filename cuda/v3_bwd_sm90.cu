@@ -310,16 +310,6 @@ __device__ __forceinline__ void issue_dq(uint32_t ds_tile, uint32_t k_tile, int 
 // Consumer elementwise work
 // ------------------------------------------------------------------------------------------
 
-// Where this thread's accumulator elements sit: element i of an m64nN accumulator holds row
-// row0 + 8 * ((i / 2) % 2) and column 8 * (i / 4) + col0 + i % 2 (the wgmma D layout).
-struct Lane {
-  int row0, col0;
-  __device__ static Lane of(int thread_in_warpgroup) {
-    const int warp = thread_in_warpgroup / 32, lane = thread_in_warpgroup % 32;
-    return {16 * warp + lane / 4, 2 * (lane % 4)};
-  }
-};
-
 // For this thread's two key rows, the interval of kept query rows [lo, hi] (empty for keys
 // past kv_cols), or everything when the block needs no mask.
 struct KeptQueries {
@@ -405,17 +395,6 @@ __device__ __forceinline__ void capped_probabilities_and_gradients(
       s[i] = prob;
     }
   }
-}
-
-// 16 query columns of an accumulator form one A fragment (see the forward's P fragments).
-template <class Cfg>
-__device__ __forceinline__ void to_fragments(const float (&x)[Cfg::kBlockM / 2],
-                                             uint32_t (&a)[Cfg::kBlockM / 16][4]) {
-#pragma unroll
-  for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      a[kk][j] = pack2<typename Cfg::Element>(x[8 * kk + 2 * j], x[8 * kk + 2 * j + 1]);
 }
 
 // dS^T fragments -> shared memory, keys as rows, queries in 64-column slabs of 128-byte rows
@@ -568,8 +547,8 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     }
 
     uint32_t pa[Cfg::kBlockM / 16][4], dsa[Cfg::kBlockM / 16][4];
-    to_fragments<Cfg>(s, pa);
-    to_fragments<Cfg>(dp, dsa);
+    accumulator_to_fragments<typename Cfg::Element>(s, pa);
+    accumulator_to_fragments<typename Cfg::Element>(dp, dsa);
     wgmma_fence();
     issue_key_gradient<Cfg>(pa, do_tile, dv);
     issue_key_gradient<Cfg>(dsa, q_tile, dk);
@@ -763,13 +742,7 @@ cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bo
   p.q_len_padded = int(padded_rows(sh.q_len));
   const MaskSpec& spec = a.fwd.spec;
   p.scale = spec.scale;
-  p.softcap = spec.softcap > 0.f ? spec.softcap : 0.f;
-  p.softcap_inv = spec.softcap > 0.f ? spec.scale / spec.softcap : 0.f;
-  p.scale_log2 = (spec.softcap > 0.f ? 1.f : spec.scale) * kLog2e;
-  p.window_left = spec.window_left < 0 ? -1 : spec.window_left;
-  int right = spec.window_right < 0 ? -1 : spec.window_right;
-  if (spec.is_causal) right = right < 0 ? 0 : std::min(right, 0);
-  p.window_right = right;
+  set_score_params(p, spec);
 
   const auto kernel = v3_backward_kernel<Cfg>;
   cudaError_t err =

@@ -252,17 +252,6 @@ __device__ void run_producer(const Params& p, uint32_t smem, BarrierAddresses ba
 // Consumer: scores, online softmax, output
 // ------------------------------------------------------------------------------------------
 
-// Where this thread's accumulator elements sit. Element i of an m64nN accumulator holds row
-// row0 + 8 * ((i / 2) % 2) and column 8 * (i / 4) + col0 + i % 2 (the wgmma D layout).
-struct Lane {
-  int row0;  // row within the warpgroup's 64
-  int col0;  // column within an 8-column chunk
-  __device__ static Lane of(int thread_in_warpgroup) {
-    const int warp = thread_in_warpgroup / 32, lane = thread_in_warpgroup % 32;
-    return {16 * warp + lane / 4, 2 * (lane % 4)};
-  }
-};
-
 // softcap, then -inf outside the kept set. `row` / `col`: absolute position of element 0.
 template <class Cfg>
 __device__ __forceinline__ void shape_scores(float (&s)[Cfg::kBlockN / 2], const Params& p,
@@ -377,18 +366,6 @@ __device__ __forceinline__ void rescale_output(float (&o)[Cfg::kHeadDim / 2],
   for (int i = 0; i < Cfg::kHeadDim / 2; ++i) o[i] *= o_scale[(i / 2) % 2];
 }
 
-// The probabilities of 16 key columns form one A fragment: registers (row, cols 2q..2q+1),
-// (row+8, same), (row, cols 8+2q..), (row+8, ...), i.e. consecutive accumulator pairs.
-template <class Cfg>
-__device__ __forceinline__ void probabilities_to_fragments(const float (&s)[Cfg::kBlockN / 2],
-                                                           uint32_t (&p)[Cfg::kBlockN / 16][4]) {
-#pragma unroll
-  for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      p[kk][j] = pack2<typename Cfg::Element>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
-}
-
 // out = o / sum and lse for this thread's two rows; out rows past q_len are not stored.
 template <class Cfg>
 __device__ __forceinline__ void store_output(const Params& p, const Tile& t, int row,
@@ -498,7 +475,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
       wgmma_wait<0>();
       take_scores<Cfg>(p, t, bars, c, stage, nb, row_lo, s);
       online_softmax<Cfg, true>(s, st, p.scale_log2, o_scale);
-      probabilities_to_fragments<Cfg>(s, pa);
+      accumulator_to_fragments<typename Cfg::Element>(s, pa);
       ++c.block_count;
     }
     // Steady state: S_j and PV_{j+1} in flight together; softmax(S_j) overlaps PV_{j+1}.
@@ -519,7 +496,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
       wgmma_wait<0>();
       take_output<Cfg>(bars, c, prev, o, pa);
       rescale_output<Cfg>(o, o_scale);
-      probabilities_to_fragments<Cfg>(s, pa);
+      accumulator_to_fragments<typename Cfg::Element>(s, pa);
     }
     // Last PV.
     const int prev = (c.block_count - 1) % kStages;
@@ -657,14 +634,7 @@ cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
   p.num_heads = int(sh.num_heads);
   p.heads_per_kv = int(sh.num_heads / sh.num_kv_heads);
   const MaskSpec& spec = a.spec;
-  p.softcap = spec.softcap > 0.f ? spec.softcap : 0.f;
-  p.softcap_inv = spec.softcap > 0.f ? spec.scale / spec.softcap : 0.f;
-  // With softcap the capped score is already scaled; the exponent only converts to log2.
-  p.scale_log2 = (spec.softcap > 0.f ? 1.f : spec.scale) * kLog2e;
-  p.window_left = spec.window_left < 0 ? -1 : spec.window_left;
-  int right = spec.window_right < 0 ? -1 : spec.window_right;
-  if (spec.is_causal) right = right < 0 ? 0 : std::min(right, 0);
-  p.window_right = right;
+  set_score_params(p, spec);
   p.num_m_blocks = int((sh.q_len + Cfg::kBlockM - 1) / Cfg::kBlockM);
   // Causal without a left window: a tile's cost grows with its m-block; pair them up.
   p.pair_m_blocks = p.window_right >= 0 && p.window_left < 0;
