@@ -32,11 +32,15 @@
 
 #include "../../cuda/v3.h"
 #include "harness_common.h"
+#include "harness_v3_case.h"
 
 using jax_flash::DType;
 using jax_flash::ForwardArgs;
 using jax_flash::V3Tuning;
+using Case = harness::V3Case;
 using harness::fill_random;
+using harness::grid_cases;
+using harness::median_event_ms;
 using harness::parallel_for;
 using harness::to_float;
 
@@ -51,27 +55,6 @@ const Variant kVariants[] = {
     {"cond", {true, 0}},
     {"emu4", {false, 4}},
     {"cond+emu4", {true, 4}},
-};
-
-struct Case {
-  DType dtype;
-  int64_t B, T, S, N, K, H;
-  bool causal = false;
-  int window_left = -1, window_right = -1;
-  float softcap = 0.f;
-  std::vector<int32_t> q_seqlens, kv_seqlens;  // empty: not passed
-
-  std::string describe() const {
-    char buf[256];
-    std::snprintf(buf, sizeof buf, "%s B=%ld T=%ld S=%ld N=%ld K=%ld H=%ld%s win=(%d,%d)%s%s",
-                  dtype == DType::kBF16 ? "bf16" : "f16", long(B), long(T), long(S), long(N),
-                  long(K), long(H), causal ? " causal" : "", window_left, window_right,
-                  softcap > 0 ? " softcap" : "", q_seqlens.empty() ? "" : " varlen");
-    return buf;
-  }
-  double flops() const {
-    return 4.0 * B * N * T * S * H * (causal && T == S ? 0.5 : 1.0);
-  }
 };
 
 // ---- random inputs, generated on the device -------------------------------------------
@@ -125,22 +108,7 @@ struct Problem {
   }
 
   ForwardArgs args() const {
-    ForwardArgs a;
-    a.shape = {c.B, c.T, c.S, c.N, c.K, c.H};
-    a.spec.scale = float(1.0 / std::sqrt(double(c.H)));
-    a.spec.softcap = c.softcap;
-    a.spec.is_causal = c.causal;
-    a.spec.window_left = c.window_left;
-    a.spec.window_right = c.window_right;
-    a.dtype = c.dtype;
-    a.q = q;
-    a.k = k;
-    a.v = v;
-    a.q_seqlens = q_seqlens;
-    a.kv_seqlens = kv_seqlens;
-    a.out = out;
-    a.lse = lse;
-    return a;
+    return c.forward_args(q, k, v, q_seqlens, kv_seqlens, out, lse);
   }
 
   void poison() {
@@ -377,43 +345,11 @@ bool check_case(const Case& c, uint64_t seed) {
 
 // ---- bench ----------------------------------------------------------------------------------
 
-std::vector<Case> grid_cases() {
-  std::vector<Case> cs;
-  for (int64_t h : {64, 128, 256})
-    for (int64_t t : {1024, 4096, 16384})
-      for (bool causal : {false, true}) {
-        const int64_t n = 2048 / h, b = 16384 / t;
-        cs.push_back({DType::kBF16, b, t, t, n, n, h, causal});
-      }
-  return cs;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 // Median time of one launch in milliseconds.
 double time_launches(Problem& pb, const V3Tuning& tuning, int warmup, int reps) {
   const ForwardArgs a = pb.args();
-  for (int i = 0; i < warmup; ++i) CUDA_CHECK(jax_flash::V3ForwardTuned(a, tuning, 0));
-  CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<cudaEvent_t> ev(2 * reps);
-  for (auto& e : ev) CUDA_CHECK(cudaEventCreate(&e));
-  for (int i = 0; i < reps; ++i) {
-    CUDA_CHECK(cudaEventRecord(ev[2 * i], 0));
-    CUDA_CHECK(jax_flash::V3ForwardTuned(a, tuning, 0));
-    CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], 0));
-  }
-  CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<double> ms(reps);
-  for (int i = 0; i < reps; ++i) {
-    float m;
-    CUDA_CHECK(cudaEventElapsedTime(&m, ev[2 * i], ev[2 * i + 1]));
-    ms[i] = m;
-  }
-  for (auto& e : ev) CUDA_CHECK(cudaEventDestroy(e));
-  return median(ms);
+  return median_event_ms([&] { CUDA_CHECK(jax_flash::V3ForwardTuned(a, tuning, 0)); }, warmup,
+                         reps);
 }
 
 bool bench(int reps) {
@@ -443,11 +379,11 @@ bool bench(int reps) {
       const V3Tuning d = jax_flash::V3DefaultTuning(c.H);
       const bool is_default = d.conditional_rescale == var.tuning.conditional_rescale &&
                               d.exp2_emulation_period == var.tuning.exp2_emulation_period;
-      std::snprintf(buf, sizeof buf, " %7.1f%s", c.flops() / (ms * 1e-3) / 1e12,
+      std::snprintf(buf, sizeof buf, " %7.1f%s", c.forward_flops() / (ms * 1e-3) / 1e12,
                     is_default ? "*" : " ");
       line += buf;
       std::printf("time %-10s %-50s %.4f ms  %.1f TFLOP/s\n", var.name, c.describe().c_str(), ms,
-                  c.flops() / (ms * 1e-3) / 1e12);
+                  c.forward_flops() / (ms * 1e-3) / 1e12);
       std::fflush(stdout);
     }
     table.push_back(line);

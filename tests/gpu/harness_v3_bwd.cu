@@ -29,37 +29,19 @@
 #include "../../cuda/v1v2.h"
 #include "../../cuda/v3.h"
 #include "harness_common.h"
+#include "harness_v3_case.h"
 
 using jax_flash::BackwardArgs;
 using jax_flash::DType;
 using jax_flash::ForwardArgs;
+using Case = harness::V3Case;
 using harness::fill_random;
+using harness::grid_cases;
+using harness::median_event_ms;
 using harness::parallel_for;
 using harness::to_float;
 
 namespace {
-
-struct Case {
-  DType dtype;
-  int64_t B, T, S, N, K, H;
-  bool causal = false;
-  int window_left = -1, window_right = -1;
-  float softcap = 0.f;
-  std::vector<int32_t> q_seqlens, kv_seqlens;  // empty: not passed
-
-  std::string describe() const {
-    char buf[256];
-    std::snprintf(buf, sizeof buf, "%s B=%ld T=%ld S=%ld N=%ld K=%ld H=%ld%s win=(%d,%d)%s%s",
-                  dtype == DType::kBF16 ? "bf16" : "f16", long(B), long(T), long(S), long(N),
-                  long(K), long(H), causal ? " causal" : "", window_left, window_right,
-                  softcap > 0 ? " softcap" : "", q_seqlens.empty() ? "" : " varlen");
-    return buf;
-  }
-  double forward_flops() const {
-    return 4.0 * B * N * T * S * H * (causal && T == S ? 0.5 : 1.0);
-  }
-  float scale() const { return float(1.0 / std::sqrt(double(H))); }
-};
 
 // ---- random inputs on the device ------------------------------------------------------------
 
@@ -132,22 +114,7 @@ struct Problem {
   }
 
   ForwardArgs forward_args() const {
-    ForwardArgs a;
-    a.shape = {c.B, c.T, c.S, c.N, c.K, c.H};
-    a.spec.scale = c.scale();
-    a.spec.softcap = c.softcap;
-    a.spec.is_causal = c.causal;
-    a.spec.window_left = c.window_left;
-    a.spec.window_right = c.window_right;
-    a.dtype = c.dtype;
-    a.q = q;
-    a.k = k;
-    a.v = v;
-    a.q_seqlens = q_seqlens;
-    a.kv_seqlens = kv_seqlens;
-    a.out = out;
-    a.lse = lse;
-    return a;
+    return c.forward_args(q, k, v, q_seqlens, kv_seqlens, out, lse);
   }
   BackwardArgs backward_args() const {
     BackwardArgs a;
@@ -376,40 +343,6 @@ bool check_case(const Case& c, uint64_t seed) {
 
 // ---- bench ------------------------------------------------------------------------------------
 
-std::vector<Case> grid_cases() {
-  std::vector<Case> cs;
-  for (int64_t h : {64, 128, 256})
-    for (int64_t t : {1024, 4096, 16384})
-      for (bool causal : {false, true}) {
-        const int64_t n = 2048 / h, b = 16384 / t;
-        cs.push_back({DType::kBF16, b, t, t, n, n, h, causal});
-      }
-  return cs;
-}
-
-// Median milliseconds of `launch` over reps, each between its own pair of events.
-double time_ms(const std::function<void()>& launch, int warmup, int reps) {
-  for (int i = 0; i < warmup; ++i) launch();
-  CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<cudaEvent_t> ev(2 * reps);
-  for (auto& e : ev) CUDA_CHECK(cudaEventCreate(&e));
-  for (int i = 0; i < reps; ++i) {
-    CUDA_CHECK(cudaEventRecord(ev[2 * i], 0));
-    launch();
-    CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], 0));
-  }
-  CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<double> ms(reps);
-  for (int i = 0; i < reps; ++i) {
-    float m;
-    CUDA_CHECK(cudaEventElapsedTime(&m, ev[2 * i], ev[2 * i + 1]));
-    ms[i] = m;
-  }
-  for (auto& e : ev) CUDA_CHECK(cudaEventDestroy(e));
-  std::sort(ms.begin(), ms.end());
-  return ms[reps / 2];
-}
-
 bool bench(int reps) {
   bool all_ok = true;
   std::vector<std::string> table;
@@ -437,20 +370,20 @@ bool bench(int reps) {
                      compare(v3.dv, as_double(v2.dv), c.dtype)};
       all_ok &= report("v3 vs v2", c, e, true, "");
     }
-    const double fwd = time_ms([&] { CUDA_CHECK(pb.launch_forward()); }, 3, reps);
-    const double bwd_v2 = time_ms([&] { CUDA_CHECK(pb.launch_v2()); }, 3, reps);
+    const double fwd = median_event_ms([&] { CUDA_CHECK(pb.launch_forward()); }, 3, reps);
+    const double bwd_v2 = median_event_ms([&] { CUDA_CHECK(pb.launch_v2()); }, 3, reps);
     double bwd_v3 = NAN, bwd_v3_det = NAN, both_v3 = NAN;
     if (has_v3) {
-      bwd_v3 = time_ms([&] { CUDA_CHECK(pb.launch_v3(false)); }, 3, reps);
-      bwd_v3_det = time_ms([&] { CUDA_CHECK(pb.launch_v3(true)); }, 3, reps);
-      both_v3 = time_ms(
+      bwd_v3 = median_event_ms([&] { CUDA_CHECK(pb.launch_v3(false)); }, 3, reps);
+      bwd_v3_det = median_event_ms([&] { CUDA_CHECK(pb.launch_v3(true)); }, 3, reps);
+      both_v3 = median_event_ms(
           [&] {
             CUDA_CHECK(pb.launch_forward());
             CUDA_CHECK(pb.launch_v3(false));
           },
           3, reps);
     }
-    const double both_v2 = time_ms(
+    const double both_v2 = median_event_ms(
         [&] {
           CUDA_CHECK(pb.launch_forward());
           CUDA_CHECK(pb.launch_v2());

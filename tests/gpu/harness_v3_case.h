@@ -1,0 +1,98 @@
+// The problem description and timing shared by the v3 harnesses (harness_v3.cu: forward,
+// harness_v3_bwd.cu: backward): one attention case, its ForwardArgs, the benchmark grid of
+// ../shared/BENCHMARK.md, and event timing.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "harness_common.h"
+
+namespace harness {
+
+struct V3Case {
+  jax_flash::DType dtype;
+  int64_t B, T, S, N, K, H;
+  bool causal = false;
+  int window_left = -1, window_right = -1;
+  float softcap = 0.f;
+  std::vector<int32_t> q_seqlens, kv_seqlens;  // empty: not passed
+
+  std::string describe() const {
+    char buf[256];
+    std::snprintf(buf, sizeof buf, "%s B=%ld T=%ld S=%ld N=%ld K=%ld H=%ld%s win=(%d,%d)%s%s",
+                  dtype == jax_flash::DType::kBF16 ? "bf16" : "f16", long(B), long(T), long(S),
+                  long(N), long(K), long(H), causal ? " causal" : "", window_left, window_right,
+                  softcap > 0 ? " softcap" : "", q_seqlens.empty() ? "" : " varlen");
+    return buf;
+  }
+  // BENCHMARK.md's count: 4·B·N·T·S·H, halved when causal (T == S).
+  double forward_flops() const {
+    return 4.0 * B * N * T * S * H * (causal && T == S ? 0.5 : 1.0);
+  }
+  float scale() const { return float(1.0 / std::sqrt(double(H))); }
+
+  // The forward's arguments over these device buffers (seqlens may be null: full lengths).
+  jax_flash::ForwardArgs forward_args(const void* q, const void* k, const void* v,
+                                      const int32_t* q_lens, const int32_t* kv_lens, void* out,
+                                      float* lse) const {
+    jax_flash::ForwardArgs a;
+    a.shape = {B, T, S, N, K, H};
+    a.spec.scale = scale();
+    a.spec.softcap = softcap;
+    a.spec.is_causal = causal;
+    a.spec.window_left = window_left;
+    a.spec.window_right = window_right;
+    a.dtype = dtype;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.q_seqlens = q_lens;
+    a.kv_seqlens = kv_lens;
+    a.out = out;
+    a.lse = lse;
+    return a;
+  }
+};
+
+// BENCHMARK.md's grid: bf16, H in {64, 128, 256} x T = S in {1024, 4096, 16384} x causal,
+// B·T = 16384, N·H = 2048.
+inline std::vector<V3Case> grid_cases() {
+  std::vector<V3Case> cases;
+  for (int64_t h : {64, 128, 256})
+    for (int64_t t : {1024, 4096, 16384})
+      for (bool causal : {false, true}) {
+        const int64_t n = 2048 / h, b = 16384 / t;
+        cases.push_back({jax_flash::DType::kBF16, b, t, t, n, n, h, causal});
+      }
+  return cases;
+}
+
+// Median milliseconds of `launch` over reps, each between its own pair of events.
+inline double median_event_ms(const std::function<void()>& launch, int warmup, int reps) {
+  for (int i = 0; i < warmup; ++i) launch();
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<cudaEvent_t> ev(2 * reps);
+  for (auto& e : ev) CUDA_CHECK(cudaEventCreate(&e));
+  for (int i = 0; i < reps; ++i) {
+    CUDA_CHECK(cudaEventRecord(ev[2 * i], 0));
+    launch();
+    CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], 0));
+  }
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<double> ms(reps);
+  for (int i = 0; i < reps; ++i) {
+    float m;
+    CUDA_CHECK(cudaEventElapsedTime(&m, ev[2 * i], ev[2 * i + 1]));
+    ms[i] = m;
+  }
+  for (auto& e : ev) CUDA_CHECK(cudaEventDestroy(e));
+  std::sort(ms.begin(), ms.end());
+  return ms[reps / 2];
+}
+
+}  // namespace harness
