@@ -281,3 +281,19 @@ def test_traced_scale_is_refused():
   q = jnp.zeros((1, 4, 1, 8))
   with pytest.raises(ValueError, match="scale"):
     jax.jit(lambda q, s: jax_flash.flash_attention(q, q, q, scale=s))(q, 0.5)
+
+
+@pytest.mark.parametrize("capability,available", [((9, 0), True), ((8, 0), False),
+                                                   ((10, 0), False), (None, False)])
+def test_gpu_schedules_run_only_on_the_architectures_they_are_built_for(
+    monkeypatch, capability, available):
+  from jax_flash.schedules import base
+  v3 = registered()["v3"]
+  monkeypatch.setattr(base.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(base._extension, "available_targets",
+                      lambda platform: frozenset({v3.forward_target, v3.backward_target}))
+  monkeypatch.setattr(base, "_device_compute_capability", lambda: capability)
+  reason = v3.unavailable_reason()
+  assert (reason is None) == available, reason
+  if not available:
+    assert "compute capability 9.0" in reason

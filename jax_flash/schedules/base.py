@@ -40,8 +40,9 @@ class Schedule:
   supports_bias: bool = True
   supports_mask: bool = True
   supports_softcap: bool = True
-  # Minimum CUDA compute capability, e.g. (9, 0) for sm_90a kernels; None on the CPU.
-  min_compute_capability: tuple[int, int] | None = None
+  # The CUDA compute capabilities the schedule's machine code runs on (the extension embeds no
+  # PTX, so no later architecture is covered); None on the CPU.
+  compute_capabilities: frozenset[tuple[int, int]] | None = None
   forward_workspaces: WorkspaceFn = no_workspaces
   backward_workspaces: WorkspaceFn = no_workspaces
   # Extra predicate: returns a reason string when a call is outside the kernel's envelope.
@@ -57,11 +58,11 @@ class Schedule:
     if missing:
       return (f"the extension was built without {', '.join(missing)} "
               "(CUDA schedules need nvcc at build time)")
-    if self.min_compute_capability is not None:
+    if self.compute_capabilities is not None:
       have = _device_compute_capability()
-      if have is None or have < self.min_compute_capability:
-        want = ".".join(map(str, self.min_compute_capability))
-        return f"needs compute capability >= {want}; the device has {have}"
+      if have not in self.compute_capabilities:
+        want = ", ".join(".".join(map(str, c)) for c in sorted(self.compute_capabilities))
+        return f"runs on compute capability {want}; the device has {have}"
     return None
 
   def unsupported_reason(self, shape: AttentionShape, dtype, config: AttentionConfig) -> str | None:
@@ -90,6 +91,11 @@ def _device_compute_capability() -> tuple[int, int] | None:
   major, minor = str(capability).split(".")
   return int(major), int(minor)
 
+
+# sm_90 machine code (sm_90a for v3) runs on compute capability 9.0 alone; the sm_80-instruction
+# kernels also need the 227 KB of shared memory per block that only 9.0 gives among the
+# architectures they are compiled for.
+HOPPER = frozenset({(9, 0)})
 
 _REGISTRY: dict[str, Schedule] = {}
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jax_flash._config import AttentionConfig, AttentionShape
 from jax_flash.schedules import v2
-from jax_flash.schedules.base import Schedule, register
+from jax_flash.schedules.base import HOPPER, Schedule, register
 
 HEAD_DIMS = (64, 128, 256)
 MAX_ROWS = 64            # query rows (T * N / K) one block holds for a kv head
@@ -102,7 +102,7 @@ DECODE = register(Schedule(
     supports_bias=False,
     supports_mask=False,
     supports_softcap=True,
-    min_compute_capability=(9, 0),
+    compute_capabilities=HOPPER,
     forward_workspaces=forward_workspaces,
     backward_workspaces=v2.V2.backward_workspaces,
     extra_check=envelope,

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash._config import AttentionShape
-from jax_flash.schedules.base import Schedule, register
+from jax_flash.schedules.base import HOPPER, Schedule, register
 from jax_flash.schedules.v2 import backward_workspaces, envelope
 
 
@@ -35,7 +35,7 @@ V1 = register(Schedule(
     dtypes=frozenset({"bfloat16", "float16"}),
     max_head_dim=256,
     head_dim_multiple=8,
-    min_compute_capability=(9, 0),
+    compute_capabilities=HOPPER,
     forward_workspaces=forward_workspaces,
     backward_workspaces=backward_workspaces,
     extra_check=envelope,

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash._config import AttentionConfig, AttentionShape
-from jax_flash.schedules.base import Schedule, register
+from jax_flash.schedules.base import HOPPER, Schedule, register
 
 # Grid dimensions y and z and the kernels' int row indices.
 _MAX_GRID_YZ = 65535
@@ -59,7 +59,7 @@ V2 = register(Schedule(
     dtypes=frozenset({"bfloat16", "float16"}),
     max_head_dim=256,
     head_dim_multiple=8,
-    min_compute_capability=(9, 0),
+    compute_capabilities=HOPPER,
     backward_workspaces=backward_workspaces,
     extra_check=envelope,
 ))
