@@ -58,13 +58,14 @@ def check_broadcast_4d(name: str, x, shape: AttentionShape):
     raise ValueError(f"bias must be a floating array; got dtype {x.dtype}")
 
 
-def check_seq_lengths(name: str, x, batch: int, limit: int):
-  if x is None:
+def check_seq_lengths(name: str, x, batch: int, optional: bool = True):
+  """An integer [B] array (None allowed when optional). Its values are data, not trace-time
+  facts: the kernels clip lengths to the sequence length."""
+  if x is None and optional:
     return
   if getattr(x, "shape", None) != (batch,) or not jnp.issubdtype(x.dtype, jnp.integer):
     raise ValueError(f"{name} must be an integer array of shape [B] = [{batch}]; got "
                      f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}")
-  del limit  # values are data, not trace-time facts: lengths > limit behave as the limit
 
 
 def window_sides(local_window_size) -> tuple[int, int]:
@@ -118,8 +119,8 @@ def build_config(query, key, value, bias, mask, *, scale, is_causal, query_seq_l
   shape = check_qkv(query, key, value)
   check_broadcast_4d("bias", bias, shape)
   check_broadcast_4d("mask", mask, shape)
-  check_seq_lengths("query_seq_lengths", query_seq_lengths, shape.batch, shape.q_len)
-  check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, shape.batch, shape.kv_len)
+  check_seq_lengths("query_seq_lengths", query_seq_lengths, shape.batch)
+  check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, shape.batch)
   if not isinstance(is_causal, (bool, np.bool_)):
     raise ValueError(f"is_causal must be a Python bool; got {type(is_causal).__name__}")
   left, right = window_sides(local_window_size)

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import _extension
-from jax_flash._validate import resolve_scale, resolve_softcap
+from jax_flash._validate import check_seq_lengths, resolve_scale, resolve_softcap
 from jax_flash.schedules import decode as decode_schedule
 
 IMPLEMENTATIONS = ("cuda", "gather")
@@ -114,12 +114,6 @@ def _shape(x) -> str:
 def _check_array(name: str, x, ndim: int, layout: str):
   if getattr(x, "ndim", None) != ndim:
     raise ValueError(f"{name} must be a {ndim}-D array {layout}; got {_shape(x)}")
-
-
-def _check_int_vector(name: str, x, length: int):
-  if getattr(x, "shape", None) != (length,) or not jnp.issubdtype(x.dtype, jnp.integer):
-    raise ValueError(f"{name} must be an integer array of shape [B] = [{length}]; got "
-                     f"{getattr(x, 'dtype', type(x).__name__)}{_shape(x)}")
 
 
 def _check_new_rows(k_new, v_new, query, num_kv_heads: int):
@@ -196,7 +190,7 @@ def _describe(query, k_cache, v_cache, cache_seqlens, block_table, scale, softca
     capacity = k_cache.shape[1]
   else:
     capacity = _check_block_table(block_table, k_cache, b)
-  _check_int_vector("cache_seqlens", cache_seqlens, b)
+  check_seq_lengths("cache_seqlens", cache_seqlens, b, optional=False)
   _check_new_rows(k_new, v_new, query, k)
   return _Call(batch=b, q_len=t, num_heads=n, num_kv_heads=k, head_dim=h, capacity=capacity,
                paged=block_table is not None, appends=k_new is not None,
@@ -205,13 +199,14 @@ def _describe(query, k_cache, v_cache, cache_seqlens, block_table, scale, softca
 
 
 def _cuda_unavailable_reason(call: _Call, dtype) -> str | None:
-  if jax.default_backend() != "gpu":
-    return f"needs the gpu backend; the default backend is {jax.default_backend()}"
-  missing = {_CACHE_TARGET, _APPEND_TARGET} - _extension.available_targets("gpu")
-  if missing:
+  # The decode schedule's own checks (backend, kernels built, device architecture) first.
+  reason = decode_schedule.DECODE.unavailable_reason()
+  if reason:
+    return reason
+  if {_CACHE_TARGET, _APPEND_TARGET} - _extension.available_targets("gpu"):
     return "the extension was built without the CUDA decode kernels (nvcc at build time)"
-  if jnp.dtype(dtype).name not in ("bfloat16", "float16"):
-    return f"needs bfloat16 or float16; got {jnp.dtype(dtype).name}"
+  if jnp.dtype(dtype).name not in decode_schedule.DECODE.dtypes:
+    return f"needs one of {sorted(decode_schedule.DECODE.dtypes)}; got {jnp.dtype(dtype).name}"
   return decode_schedule.kernel_limits(call.batch, call.q_len, call.num_heads,
                                        call.num_kv_heads, call.head_dim, call.capacity)
 

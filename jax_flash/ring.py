@@ -60,8 +60,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal=False, layout="zig
   Use layout="zigzag" with is_causal=True: every device then does equal work at every step.
   """
   shape = check_qkv(query, key, value)
-  check_seq_lengths("query_seq_lengths", query_seq_lengths, shape.batch, shape.q_len)
-  check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, shape.batch, shape.kv_len)
+  check_seq_lengths("query_seq_lengths", query_seq_lengths, shape.batch)
+  check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, shape.batch)
   _check_layout(layout)
   if not isinstance(is_causal, (bool, np.bool_)):
     raise ValueError(f"is_causal must be a Python bool; got {type(is_causal).__name__}")
