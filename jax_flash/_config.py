@@ -19,6 +19,8 @@ class AttentionConfig:
   window_right: int = -1
   has_bias: bool = False
   has_mask: bool = False
+  # The backward must give bitwise-repeatable gradients (forwards always do).
+  deterministic: bool = False
 
   @property
   def has_window(self) -> bool:

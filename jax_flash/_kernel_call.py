@@ -30,6 +30,7 @@ def _attributes(config: AttentionConfig) -> dict:
       window_right=np.int32(config.window_right),
       has_bias=bool(config.has_bias),
       has_mask=bool(config.has_mask),
+      deterministic=bool(config.deterministic),
   )
 
 
@@ -58,12 +59,13 @@ def _raw_backward(schedule: Schedule, config: AttentionConfig, q, k, v, bias, ma
   b, t, n, _ = q.shape
   s = k.shape[1]
   dbias_shape = (b, n, t, s) if bias is not None else _DUMMY_SHAPE
+  served_by = schedule.backward_schedule(shape, config)
   outputs = (jax.ShapeDtypeStruct(q.shape, q.dtype),
              jax.ShapeDtypeStruct(k.shape, k.dtype),
              jax.ShapeDtypeStruct(v.shape, v.dtype),
              jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
-             *schedule.backward_workspaces(shape, q.dtype))
-  call = jax.ffi.ffi_call(schedule.backward_target, outputs)
+             *served_by.backward_workspaces(shape, q.dtype))
+  call = jax.ffi.ffi_call(served_by.backward_target, outputs)
   dq, dk, dv, dbias, *_ = call(
       *_standard_inputs(q, k, v, bias, mask, q_seqlens, kv_seqlens), out, lse, dout,
       **_attributes(config))

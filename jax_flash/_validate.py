@@ -114,7 +114,7 @@ def resolve_softcap(softcap) -> float:
 
 
 def build_config(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
-                 key_value_seq_lengths, local_window_size, softcap
+                 key_value_seq_lengths, local_window_size, softcap, deterministic=False
                  ) -> tuple[AttentionShape, AttentionConfig]:
   shape = check_qkv(query, key, value)
   check_broadcast_4d("bias", bias, shape)
@@ -123,6 +123,8 @@ def build_config(query, key, value, bias, mask, *, scale, is_causal, query_seq_l
   check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, shape.batch)
   if not isinstance(is_causal, (bool, np.bool_)):
     raise ValueError(f"is_causal must be a Python bool; got {type(is_causal).__name__}")
+  if not isinstance(deterministic, (bool, np.bool_)):
+    raise ValueError(f"deterministic must be a Python bool; got {type(deterministic).__name__}")
   left, right = window_sides(local_window_size)
   config = AttentionConfig(
       scale=resolve_scale(scale, shape.head_dim),
@@ -132,5 +134,6 @@ def build_config(query, key, value, bias, mask, *, scale, is_causal, query_seq_l
       window_right=right,
       has_bias=bias is not None,
       has_mask=mask is not None,
+      deterministic=bool(deterministic),
   )
   return shape, config

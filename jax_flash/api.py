@@ -12,7 +12,7 @@ from jax_flash._validate import build_config
 
 def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                    softcap=None, return_residual=False, schedule="auto"):
+                    softcap=None, return_residual=False, schedule="auto", deterministic=False):
   """Exact attention, fused: softmax(scale * Q Kᵀ + bias, masked) V, never an N×N matrix in memory.
 
   Layout and semantics are those of `jax.nn.dot_product_attention`:
@@ -21,8 +21,12 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
     keep; scale defaults to 1/sqrt(H); is_causal keeps key s <= query t (top-left aligned);
     query_seq_lengths / key_value_seq_lengths [B] mark the valid prefix of each sequence;
     local_window_size w or (left, right) keeps t - left <= s <= t + right.
-  Additions: `softcap` (scores become softcap * tanh(scores / softcap), before the bias) and
-  `schedule` ("auto", or one of `jax_flash.schedules()`).
+  Additions: `softcap` (scores become softcap * tanh(scores / softcap), before the bias),
+  `schedule` ("auto", or one of `jax_flash.schedules()`) and `deterministic`: when True the
+  gradients are bitwise identical from run to run. The cpu and v1 backwards always are; v3's is
+  on request (it then adds dQ partials in a fixed order, at a measured cost, docs/perf-notes.md);
+  v2's adds dQ with fp32 atomics and cannot be, so "auto" passes it over and schedule="v2" with
+  deterministic=True raises ValueError.
 
   Fully-masked rows (no key kept, or t >= query_seq_lengths[b]) give output 0 and logsumexp
   -inf. (jax.nn.dot_product_attention returns the mean of V for a fully-masked row instead.)
@@ -33,7 +37,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
   shape, config = build_config(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-      local_window_size=local_window_size, softcap=softcap)
+      local_window_size=local_window_size, softcap=softcap, deterministic=deterministic)
   chosen = _dispatch.select(schedule, shape, query.dtype, config)
   q_lens = _lengths(query_seq_lengths, shape.batch, shape.q_len)
   kv_lens = _lengths(key_value_seq_lengths, shape.batch, shape.kv_len)

@@ -68,7 +68,7 @@ GRAD_CASES = [
 ]
 
 
-def _require(schedule: str, case: Case):
+def _require(schedule: str, case: Case, deterministic: bool = False):
   """Skip when the schedule cannot run here or does not cover this case; returns nothing."""
   status = {s.name: s for s in jax_flash.schedules()}[schedule]
   if not status.available:
@@ -79,7 +79,8 @@ def _require(schedule: str, case: Case):
   mask = jax.ShapeDtypeStruct(case.dims(case.mask), jnp.bool_) if case.mask else None
   shape, config = build_config(x, kv, kv, bias, mask, scale=case.scale, is_causal=case.is_causal,
                                query_seq_lengths=None, key_value_seq_lengths=None,
-                               local_window_size=case.window, softcap=case.softcap)
+                               local_window_size=case.window, softcap=case.softcap,
+                               deterministic=deterministic)
   reason = registered()[schedule].unsupported_reason(shape, case.dtype, config)
   if reason:
     pytest.skip(f"{schedule}: {reason}")
@@ -119,21 +120,59 @@ def test_gradients_match_float64(schedule, dtype, case, rng):
   bias = arrays.pop("bias")
   statics = x.statics(case)
 
+  grads = _gradients(schedule, case, x, dout)
+  _assert_gradients_match(case, x, dout, grads)
+
+
+def _gradients(schedule, case, x, dout, **options):
+  """Gradients of sum(out * dout) w.r.t. q, k, v (and bias when the case has one)."""
+  arrays = x.arrays()
+  bias = arrays.pop("bias")
+  statics = x.statics(case)
+
   def loss(q, k, v, bias):
-    out = jax_flash.flash_attention(q, k, v, bias, schedule=schedule, **arrays, **statics)
+    out = jax_flash.flash_attention(q, k, v, bias, schedule=schedule, **arrays, **statics,
+                                    **options)
     return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
 
   argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
-  grads = jax.jit(jax.grad(loss, argnums=argnums))(x.q, x.k, x.v, bias)
+  return jax.jit(jax.grad(loss, argnums=argnums))(x.q, x.k, x.v, bias)
+
+
+def _assert_gradients_match(case, x, dout, grads):
   dq, dk, dv, dbias_full = reference_backward(case, x, dout)
   wants = [dq, dk, dv]
-  if bias is not None:
-    axes = tuple(i for i, d in enumerate(bias.shape) if d == 1)
+  if x.bias is not None:
+    axes = tuple(i for i, d in enumerate(x.bias.shape) if d == 1)
     wants.append(dbias_full.sum(axis=axes, keepdims=True))
   for name, got, want in zip(("dq", "dk", "dv", "dbias"), grads, wants):
     assert got.shape == want.shape, name
     rel = relative_l2(got, want)
-    assert rel <= GRAD_REL[dtype], f"{case}: {name} relative L2 error {rel:.3g}"
+    assert rel <= GRAD_REL[case.dtype], f"{case}: {name} relative L2 error {rel:.3g}"
+
+
+# Many key blocks adding into the same dQ rows: where atomics would reorder the sums.
+DETERMINISM_CASES = [
+    Case(b=2, t=700, s=900, n=4, k=2, h=64, is_causal=True),
+    Case(b=1, t=513, s=1030, n=2, k=2, h=128, seqlens=True, softcap=6.0),
+]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+@pytest.mark.parametrize("case", DETERMINISM_CASES, ids=str)
+def test_deterministic_gradients_are_bitwise_repeatable(schedule, dtype, case, rng):
+  case = dataclasses.replace(case, dtype=dtype)
+  _require(schedule, case, deterministic=True)
+  x = make_inputs(case, rng)
+  dout = jnp.asarray(rng.standard_normal(x.q.shape), jnp.float32).astype(dtype)
+  first = _gradients(schedule, case, x, dout, deterministic=True)
+  _assert_gradients_match(case, x, dout, first)
+  for _ in range(3):
+    again = _gradients(schedule, case, x, dout, deterministic=True)
+    for name, a, b in zip(("dq", "dk", "dv"), first, again):
+      np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                    np.asarray(b.astype(jnp.float32)), err_msg=name)
 
 
 # The backend-generic API tests run in the widest dtype this backend's schedules take.
@@ -254,6 +293,7 @@ BAD_INPUTS = [
     (dict(scale=float("nan")), "scale"),
     (dict(schedule="v9"), "schedule"),
     (dict(is_causal="yes"), "is_causal"),
+    (dict(deterministic=1), "deterministic"),
 ]
 
 
@@ -297,3 +337,27 @@ def test_gpu_schedules_run_only_on_the_architectures_they_are_built_for(
   assert (reason is None) == available, reason
   if not available:
     assert "compute capability 9.0" in reason
+
+
+def test_v3_routes_head_dim_256_gradients_to_the_v2_backward():
+  from jax_flash._config import AttentionConfig, AttentionShape
+  v2, v3 = registered()["v2"], registered()["v3"]
+  config = AttentionConfig(scale=1.0)
+  for head_dim, served_by in ((64, v3), (128, v3), (256, v2)):
+    shape = AttentionShape(1, 8, 8, 2, 1, head_dim)
+    assert v3.backward_schedule(shape, config) is served_by, head_dim
+
+
+@pytest.mark.parametrize("schedule,head_dim,repeatable", [
+    ("cpu", 64, True), ("v1", 64, True), ("v2", 64, False), ("v3", 128, True),
+    ("v3", 256, False), ("decode", 64, False)])
+def test_deterministic_calls_go_only_to_repeatable_backwards(schedule, head_dim, repeatable):
+  from jax_flash._config import AttentionConfig, AttentionShape
+  shape = AttentionShape(1, 1, 64, 2, 1, head_dim)
+  dtype = jnp.float32 if schedule == "cpu" else jnp.bfloat16
+  chosen = registered()[schedule]
+  assert chosen.unsupported_reason(shape, dtype, AttentionConfig(scale=1.0)) is None
+  reason = chosen.unsupported_reason(shape, dtype, AttentionConfig(scale=1.0, deterministic=True))
+  assert (reason is None) == repeatable, reason
+  if reason:
+    assert "deterministic=True" in reason and "atomics" in reason

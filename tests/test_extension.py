@@ -57,7 +57,7 @@ def _attributes(case: Case, has_bias: bool, has_mask: bool) -> dict:
   return dict(scale=np.float32(case.scale if case.scale is not None else 1 / np.sqrt(case.h)),
               softcap=np.float32(case.softcap or 0.0), is_causal=case.is_causal,
               window_left=np.int32(left), window_right=np.int32(right), has_bias=has_bias,
-              has_mask=has_mask)
+              has_mask=has_mask, deterministic=False)
 
 
 def _standard_inputs(case: Case, x):

@@ -4,7 +4,7 @@
 // API (everything in namespace jax_flash):
 //
 //   struct AttentionAttrs { scale, softcap, is_causal, window_left, window_right,
-//                           has_bias, has_mask };             // the 7 attributes, exact types
+//                           has_bias, has_mask, deterministic };  // the 8 attributes, exact types
 //   struct StandardInputs { q, k, v, bias, mask, q_seqlens, kv_seqlens };  // ffi::AnyBuffer each
 //   using InBuffer = ffi::AnyBuffer;  using OutBuffer = ffi::Result<ffi::AnyBuffer>;
 //
@@ -45,6 +45,7 @@
 //     them, so they work on device buffers. Return InvalidArgument naming the buffer.
 //
 //   int64_t ElementBytes(DType)   bytes of one q/k/v element
+//   ffi::Error CheckWorkspace(target, name, buffer, type, elements)   a workspace output's size
 //
 // No CUDA header is included here; GPU handlers add their stream context themselves.
 #pragma once
@@ -69,6 +70,9 @@ struct AttentionAttrs {
   int32_t window_right;
   bool has_bias;
   bool has_mask;
+  // Backward only: dq must be bitwise repeatable across runs. Forwards are always deterministic
+  // and ignore it; a backward that cannot honour it refuses the call.
+  bool deterministic;
 };
 
 }  // namespace jax_flash
@@ -79,7 +83,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_flash::AttentionAttrs, StructMember<fl
                                       StructMember<int32_t>("window_left"),
                                       StructMember<int32_t>("window_right"),
                                       StructMember<bool>("has_bias"),
-                                      StructMember<bool>("has_mask"));
+                                      StructMember<bool>("has_mask"),
+                                      StructMember<bool>("deterministic"));
 
 namespace jax_flash {
 
@@ -128,6 +133,19 @@ inline int64_t ElementBytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; 
 // Returns the error of `expr` from the enclosing function (which declares `ffi::Error err`).
 #define JAX_FLASH_TRY(expr) \
   if ((err = (expr)).failure()) return err
+
+// A workspace output (an extra result a handler's kernels use as scratch) must hold exactly
+// `elements` elements of `type`; InvalidArgument naming the target and the workspace otherwise.
+inline ffi::Error CheckWorkspace(const char* target, const char* name, ffi::AnyBuffer buffer,
+                                 ffi::DataType type, int64_t elements) {
+  if (buffer.element_type() == type && static_cast<int64_t>(buffer.element_count()) == elements)
+    return ffi::Error::Success();
+  const char* type_name = type == ffi::DataType::F32 ? "float32"
+                          : type == ffi::DataType::S32 ? "int32"
+                                                       : "the declared type";
+  return ffi::Error::InvalidArgument(std::string(target) + ": workspace `" + name + "` must have " +
+                                     std::to_string(elements) + " elements of " + type_name);
+}
 
 namespace args_detail {
 

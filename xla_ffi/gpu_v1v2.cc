@@ -33,15 +33,6 @@ ffi::Error CheckSupported(const char* target, const ForwardArgs& args) {
   return ffi::Error::Success();
 }
 
-ffi::Error CheckWorkspace(const char* target, const char* name, ffi::AnyBuffer buffer,
-                          int64_t elements) {
-  if (buffer.element_type() != ffi::DataType::F32 ||
-      static_cast<int64_t>(buffer.element_count()) != elements)
-    return Invalid(target, std::string("workspace `") + name + "` must be float32 with " +
-                               std::to_string(elements) + " elements");
-  return ffi::Error::Success();
-}
-
 ffi::Error V1ForwardImpl(cudaStream_t stream, InBuffer q, InBuffer k, InBuffer v, InBuffer bias,
                          InBuffer mask, InBuffer q_seqlens, InBuffer kv_seqlens,
                          AttentionAttrs attrs, OutBuffer out, OutBuffer lse,
@@ -52,7 +43,7 @@ ffi::Error V1ForwardImpl(cudaStream_t stream, InBuffer q, InBuffer k, InBuffer v
       DecodeForward({q, k, v, bias, mask, q_seqlens, kv_seqlens}, attrs, *out, *lse, &args);
   if (err.failure()) return err;
   if ((err = CheckSupported(kTarget, args)).failure()) return err;
-  if ((err = CheckWorkspace(kTarget, "o_accum", *o_accum, v1_forward_accum_elements(args.shape)))
+  if ((err = CheckWorkspace(kTarget, "o_accum", *o_accum, ffi::DataType::F32, v1_forward_accum_elements(args.shape)))
           .failure())
     return err;
   return LaunchStatus(kTarget,
@@ -77,7 +68,9 @@ using BackwardLauncher = cudaError_t (*)(const BackwardArgs&, const BackwardWork
 constexpr char kV1BackwardTarget[] = "jax_flash_v1_bwd";
 constexpr char kV2BackwardTarget[] = "jax_flash_v2_bwd";
 
-template <BackwardLauncher kLaunch, const char* kTarget>
+// kRepeatable: the launcher's dQ is bitwise repeatable (v1 adds a key block's dQ rows with
+// plain read-modify-writes in key order; v2 with fp32 atomics in completion order).
+template <BackwardLauncher kLaunch, const char* kTarget, bool kRepeatable>
 ffi::Error BackwardImpl(cudaStream_t stream, InBuffer q, InBuffer k, InBuffer v, InBuffer bias,
                         InBuffer mask, InBuffer q_seqlens, InBuffer kv_seqlens, InBuffer out,
                         InBuffer lse, InBuffer dout, AttentionAttrs attrs, OutBuffer dq,
@@ -88,18 +81,20 @@ ffi::Error BackwardImpl(cudaStream_t stream, InBuffer q, InBuffer k, InBuffer v,
                                   attrs, *dq, *dk, *dv, *dbias, &args);
   if (err.failure()) return err;
   if ((err = CheckSupported(kTarget, args.fwd)).failure()) return err;
+  if (attrs.deterministic && !kRepeatable)
+    return Invalid(kTarget, "deterministic=true: this backward adds dQ with fp32 atomics");
   const AttentionShape& shape = args.fwd.shape;
-  if ((err = CheckWorkspace(kTarget, "dq_accum", *dq_accum, backward_dq_accum_elements(shape)))
+  if ((err = CheckWorkspace(kTarget, "dq_accum", *dq_accum, ffi::DataType::F32, backward_dq_accum_elements(shape)))
           .failure() ||
-      (err = CheckWorkspace(kTarget, "dsum", *dsum, backward_dsum_elements(shape))).failure())
+      (err = CheckWorkspace(kTarget, "dsum", *dsum, ffi::DataType::F32, backward_dsum_elements(shape))).failure())
     return err;
   const BackwardWorkspace workspace{static_cast<float*>(dq_accum->untyped_data()),
                                     static_cast<float*>(dsum->untyped_data())};
   return LaunchStatus(kTarget, kLaunch(args, workspace, stream));
 }
 
-constexpr auto* V1BackwardImpl = &BackwardImpl<launch_v1_backward, kV1BackwardTarget>;
-constexpr auto* V2BackwardImpl = &BackwardImpl<launch_v2_backward, kV2BackwardTarget>;
+constexpr auto* V1BackwardImpl = &BackwardImpl<launch_v1_backward, kV1BackwardTarget, true>;
+constexpr auto* V2BackwardImpl = &BackwardImpl<launch_v2_backward, kV2BackwardTarget, false>;
 
 }  // namespace
 

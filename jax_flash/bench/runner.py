@@ -10,7 +10,7 @@ from jax_flash.bench import accuracy, inputs, kernels
 from jax_flash.bench.configs import Case
 from jax_flash.bench.peers import Peer
 from jax_flash.bench.steps import Prepared, failure_status, prepare
-from jax_flash.bench.timing import TimingOptions, time_calls
+from jax_flash.bench.timing import Timing, TimingOptions, time_interleaved, warm_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,13 +112,42 @@ def _rates(case: Case, seconds: float) -> dict:
   return rates
 
 
-def _measure(p: Prepared, case: Case, where, expected, options: RunOptions) -> dict:
-  timing = time_calls(p.call, p.wait, options.timing)
+def _measured_row(p: Prepared, case: Case, timing: Timing, where, expected) -> dict:
   row = _row(p.peer, "ok", timing=timing.to_json(), seconds=timing.median_s,
              seconds_best=timing.best_s, **_rates(case, timing.median_s),
              best=_rates(case, timing.best_s))
   row["check"] = _check(p, case, where, expected)
   return row
+
+
+def _failed_row(p: Prepared, error: BaseException) -> dict:
+  return _row(p.peer, "failed", error=_error_text(error), traceback=traceback.format_exc(limit=8))
+
+
+def _measure_all(timed: dict[str, Prepared], case: Case, where, expected,
+                 options: RunOptions) -> dict[str, dict]:
+  """Warms each implementation up, times them all with interleaved repeats, checks each."""
+  rows, targets = {}, {}
+  for name, p in timed.items():
+    try:
+      targets[name] = (p.call, p.wait, warm_up(p.call, p.wait, options.timing))
+    except Exception as e:  # pylint: disable=broad-except
+      rows[name] = _failed_row(p, e)
+  try:
+    timings = time_interleaved(targets, options.timing)
+  except Exception:  # pylint: disable=broad-except  (find the failing one: time them one by one)
+    timings = {}
+    for name, target in targets.items():
+      try:
+        timings.update(time_interleaved({name: target}, options.timing))
+      except Exception as e:  # pylint: disable=broad-except
+        rows[name] = _failed_row(timed[name], e)
+  for name, timing in timings.items():
+    try:
+      rows[name] = _measured_row(timed[name], case, timing, where, expected)
+    except Exception as e:  # pylint: disable=broad-except
+      rows[name] = _failed_row(timed[name], e)
+  return rows
 
 
 def _timed(function, *args):
@@ -156,18 +185,18 @@ def _run_case(case: Case, peers: list[Peer], options: RunOptions, started: float
   frameworks = {name: p.peer.framework for name, p in prepared.items()}
   aliases = kernels.same_kernel_groups(reports, frameworks)
   shared = kernels.cross_framework_matches(reports, frameworks)
+  timed = {}
   for name, p in prepared.items():
-    report, skip = reports[name], _skip_reason(p.peer, case, options)
+    skip = _skip_reason(p.peer, case, options)
     if name in aliases:
       rows[name] = _row(p.peer, "same_kernel", same_kernel_as=aliases[name])
     elif skip:
       rows[name] = _row(p.peer, "skipped", error=skip)
     else:
-      try:
-        rows[name] = _measure(p, case, where, expected, options)
-      except Exception as e:  # pylint: disable=broad-except
-        rows[name] = _row(p.peer, "failed", error=_error_text(e),
-                          traceback=traceback.format_exc(limit=8))
+      timed[name] = p
+  rows.update(_measure_all(timed, case, where, expected, options))
+  for name in prepared:
+    report = reports[name]
     rows[name]["kernels"] = report.to_json()
     rows[name]["kernel_summary"] = report.summary()
     if name in shared:

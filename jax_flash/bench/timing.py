@@ -34,23 +34,43 @@ class Timing:
     return dataclasses.asdict(self)
 
 
-def time_calls(call: Callable[[int], Any], wait: Callable[[Any], None],
-               options: TimingOptions) -> Timing:
-  """Seconds per call of `call(i)` (i cycles the input sets inside `call`)."""
+Call = Callable[[int], Any]
+Wait = Callable[[Any], None]
+
+
+def _per_call_seconds(call: Call, wait: Wait, iters: int, wait_each_call: bool) -> float:
+  start = time.perf_counter()
+  out = None
+  for i in range(iters):
+    out = call(i)
+    if wait_each_call:
+      wait(out)
+  wait(out)
+  return (time.perf_counter() - start) / iters
+
+
+def warm_up(call: Call, wait: Wait, options: TimingOptions) -> int:
+  """Runs the warm-up calls; returns the calls per repeat that last about min_repeat_s."""
   for i in range(options.warmup):
     wait(call(i))
-  start = time.perf_counter()
-  wait(call(0))
-  single = max(time.perf_counter() - start, 1e-7)
-  iters = max(1, min(options.max_iters, math.ceil(options.min_repeat_s / single)))
-  samples = []
+  single = max(_per_call_seconds(call, wait, 1, True), 1e-7)
+  return max(1, min(options.max_iters, math.ceil(options.min_repeat_s / single)))
+
+
+def time_interleaved(targets: dict[str, tuple[Call, Wait, int]],
+                     options: TimingOptions) -> dict[str, Timing]:
+  """Seconds per call of each target (call, wait, iters from warm_up). Repeat r of every target
+  runs before repeat r + 1 of any, so a drift of the device (clocks, power, temperature) during
+  the case reaches every implementation alike instead of whichever ran last."""
+  samples = {name: [] for name in targets}
   for _ in range(options.repeats):
-    start = time.perf_counter()
-    out = None
-    for i in range(iters):
-      out = call(i)
-      if options.wait_each_call:
-        wait(out)
-    wait(out)
-    samples.append((time.perf_counter() - start) / iters)
-  return Timing(statistics.median(samples), min(samples), tuple(samples), iters)
+    for name, (call, wait, iters) in targets.items():
+      samples[name].append(_per_call_seconds(call, wait, iters, options.wait_each_call))
+  return {name: Timing(statistics.median(s), min(s), tuple(s), targets[name][2])
+          for name, s in samples.items()}
+
+
+def time_calls(call: Call, wait: Wait, options: TimingOptions) -> Timing:
+  """Seconds per call of `call(i)` (i cycles the input sets inside `call`)."""
+  iters = warm_up(call, wait, options)
+  return time_interleaved({"": (call, wait, iters)}, options)[""]

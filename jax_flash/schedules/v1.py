@@ -38,5 +38,6 @@ V1 = register(Schedule(
     compute_capabilities=HOPPER,
     forward_workspaces=forward_workspaces,
     backward_workspaces=backward_workspaces,
+    backward_determinism="always",  # one CTA per kv head walks the key blocks in order
     extra_check=envelope,
 ))

@@ -1,23 +1,31 @@
-"""The v3 schedule: the Hopper (sm_90a) forward kernel of cuda/v3_fwd_sm90.cu.
+"""The v3 schedule: the Hopper (sm_90a) kernels of cuda/v3_fwd_sm90.cu and cuda/v3_bwd_sm90.cu.
 
-TMA loads into a multi-stage shared-memory ring, wgmma for QK^T and PV, a producer warpgroup
-and register-reallocated consumer warpgroups (pingpong between them), a persistent grid.
+Forward: TMA loads into a multi-stage shared-memory ring, wgmma for QK^T and PV, a producer
+warpgroup and register-reallocated consumer warpgroups (pingpong between them), a persistent
+grid. Backward: a preprocessing kernel (D, lse in log2 units, clears the dQ accumulator), a
+warp-specialized main kernel (TMA producer; two wgmma consumer warpgroups own 64 keys each and
+keep dK / dV in registers over every query block and every query head of the GQA group; dQ
+partials added into fp32 with vector reductions) and a dQ conversion kernel.
 
 Envelope: bfloat16 / float16, head dims 64, 128 and 256 (others go to v2 through the dispatch
 order), causal, sliding window, GQA / MQA, q / kv sequence lengths, softcap. Bias and mask
-tensors are declared unsupported here, so the dispatch sends those calls to v2.
-
-Backward: v3 has no backward kernel of its own yet. Its backward target is the v2 backward,
-`jax_flash_v2_bwd`, which follows the same convention and recomputes from q, k, v and the
-forward's out and lse, so gradients of a v3 forward are computed by the v2 kernel.
+tensors are declared unsupported here, so the dispatch sends those calls to v2. The backward
+kernel takes head dims 64 and 128; head dim 256 gradients are computed by the v2 backward (same
+convention: it recomputes from q, k, v and the forward's out and lse).
 """
 from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
 
 from jax_flash._config import AttentionConfig, AttentionShape
 from jax_flash.schedules import v2
 from jax_flash.schedules.base import HOPPER, Schedule, register
 
 HEAD_DIMS = (64, 128, 256)
+BACKWARD_HEAD_DIMS = (64, 128)
+_ROW_PAD = 128         # kRowPad in cuda/v3_bwd_sm90.cu
+_SEMAPHORE_ROWS = 64   # query rows per dQ semaphore (kDqTileRows)
 
 
 def _envelope(shape: AttentionShape, config: AttentionConfig) -> str | None:
@@ -30,14 +38,37 @@ def _envelope(shape: AttentionShape, config: AttentionConfig) -> str | None:
   return None
 
 
+def _backward_check(shape: AttentionShape, config: AttentionConfig) -> str | None:
+  del config
+  if shape.head_dim not in BACKWARD_HEAD_DIMS:
+    return f"the v3 backward takes head dims {BACKWARD_HEAD_DIMS}; got {shape.head_dim}"
+  return None
+
+
+def backward_workspaces(shape: AttentionShape, dtype):
+  """The outputs V3BackwardWorkspaceSizes(shape, deterministic=true) sizes (cuda/v3.h), with
+  T_pad = T rounded up to 128: dq_accum f32 [B, N, T_pad, H], dsum and lse_log2 f32
+  [B, N, T_pad], dq_semaphore s32 [B * N * T_pad / 64] (read only in deterministic mode; one
+  size keeps the workspaces independent of the attribute)."""
+  del dtype
+  b, n, h = shape.batch, shape.num_heads, shape.head_dim
+  t_pad = -(-shape.q_len // _ROW_PAD) * _ROW_PAD
+  rows = jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)
+  return (jax.ShapeDtypeStruct((b, n, t_pad, h), jnp.float32), rows, rows,
+          jax.ShapeDtypeStruct((b * n * t_pad // _SEMAPHORE_ROWS,), jnp.int32))
+
+
 V3 = register(Schedule(
     name="v3",
-    description="Hopper forward: TMA + wgmma, warp-specialized pingpong, persistent grid "
-                "(backward: v2)",
+    description="Hopper: TMA + wgmma, warp-specialized; forward pingpong on a persistent grid, "
+                "backward with dK/dV in registers (head dim 256: v2 backward)",
     platform="gpu",
     forward_target="jax_flash_v3_fwd",
-    backward_target=v2.V2.backward_target,
-    backward_workspaces=v2.backward_workspaces,
+    backward_target="jax_flash_v3_bwd",
+    backward_workspaces=backward_workspaces,
+    backward_check=_backward_check,
+    backward_fallback=v2.V2,
+    backward_determinism="on_request",
     dtypes=frozenset({"bfloat16", "float16"}),
     max_head_dim=256,
     supports_bias=False,
