@@ -16,6 +16,9 @@ TFLOP/s use the BENCHMARK.md counting (causal forward = 2·B·N·T²·H; fwd+bwd
 and the host-timed loop (many asynchronous calls closed by one block_until_ready; median of
 `--repeats`). Every output (and every gradient) is checked in the same run against a float64
 reference on `--check-rows` query rows, and the ring outputs against the single-device output.
+Then, per mode, one profiler trace of each path names the kernels that ran and their device time
+per call, summed over the devices (jax_flash.bench.kernels): where a ring loses time against
+twice the single-device rate shows there (attention kernels, merges, NCCL, copies).
 The last line is a JSON summary; `speedup` = ring TFLOP/s / single TFLOP/s (goal >= 1.8 on 2 GPUs).
 """
 from __future__ import annotations
@@ -44,6 +47,7 @@ def _parse(argv):
   p.add_argument("--repeats", type=int, default=5, help="timed loops; the median is reported")
   p.add_argument("--check-rows", type=int, default=8, help="rows checked against float64")
   p.add_argument("--schedule", default="auto")
+  p.add_argument("--no-kernels", action="store_true", help="skip the profiler trace")
   p.add_argument("--host-devices", type=int, default=0,
                  help="CPU dry run: force this many host devices (sets XLA_FLAGS)")
   return p.parse_args(argv)
@@ -108,9 +112,11 @@ def main(argv=None):
   summary = {"config": dict(vars(args), causal=causal), "results": {}}
   for mode in args.mode.split(","):
     flops = forward_flops * (1.0 if mode == "fwd" else 3.5)
-    outputs = {}
+    outputs, runs = {}, {}
     for name, (fn, x, back) in paths.items():
       step = _step(jax, jnp, fn, mode)
+      runs[name] = functools.partial(lambda step, x: jax.block_until_ready(
+          step(x["q"], x["k"], x["v"], x["dout"])), step, x)
       seconds = _time(jax, step, (x["q"], x["k"], x["v"], x["dout"]), args.iters, args.repeats)
       result = step(x["q"], x["k"], x["v"], x["dout"])
       outputs[name] = [np.asarray(back(r).astype(jnp.float32), np.float64)
@@ -130,7 +136,30 @@ def main(argv=None):
       summary["results"][f"{mode}/{name}"]["speedup"] = speedup
       print(f"{mode:7s} {name:9s} speedup over one device: {speedup:.2f}x "
             f"({'meets' if speedup >= 1.8 else 'misses'} the 1.8x goal)")
+    if not args.no_kernels:
+      summary["kernels"] = summary.get("kernels", {})
+      summary["kernels"][mode] = _kernel_times(jax, runs)
   print(json.dumps(summary))
+
+
+def _kernel_times(jax, runs) -> dict:
+  """Prints and returns, per path, the kernels of one call with their device time (ms, summed
+  over the devices the call runs on), heaviest first."""
+  from jax_flash.bench import kernels
+  reports = kernels.trace_kernels(runs, jax.default_backend())
+  result = {}
+  for name, report in reports.items():
+    if report.error:
+      print(f"kernels {name}: {report.error}")
+      continue
+    per_call = [(k.name, k.time_us / kernels.RUNS_PER_IMPL / 1e3, k.share)
+                for k in report.kernels]
+    total = sum(ms for _, ms, _ in per_call)
+    print(f"kernels {name}: {total:.2f} ms device time per call (all devices)")
+    for kernel_name, ms, share in per_call[:8]:
+      print(f"   {ms:8.3f} ms {100 * share:5.1f}%  {kernels.short_name(kernel_name, 90)}")
+    result[name] = {"total_ms": total, "kernels": per_call[:16]}
+  return result
 
 
 def _step(jax, jnp, attention, mode):

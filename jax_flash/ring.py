@@ -18,8 +18,10 @@ Layouts of the sequence over the P devices of the ring (global order, natural to
 The kernels' causal mask is top-left aligned within one call, so the ring only ever issues calls
 whose causal structure is one of: the diagonal (a causal call on the device's own block), a full
 block (non-causal) or nothing. With zigzag, writing lo/hi for the two chunks of a block, a step
-whose source device j differs from ours (i) needs exactly two full half-by-half calls:
-(q_hi, k_lo) always, plus (q_lo, k_lo) when j < i or (q_hi, k_hi) when j > i. The diagonal step
+whose source device j differs from ours (i) is one full (non-causal) call: all of q against k_lo
+when j < i (chunk j precedes both of ours, chunk 2P-1-j follows both), q_hi against all of k
+when j > i (both of j's chunks lie between ours). Which of the two is a run-time fact (the
+device index), so the step is a `lax.cond` between two calls of static shapes. The diagonal step
 is one causal call on the whole block: the local order [chunk i, chunk 2P-1-i] is increasing, so
 local top-left causality is global causality. Sequence lengths stay valid prefixes of every block
 and half-block (a later chunk has valid keys only when all earlier chunks are full), so they are
@@ -143,17 +145,22 @@ _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 def ring_forward(schedule, config: AttentionConfig, ring: RingSpec, q, k, v, q_lens, kv_lens):
   """(out [B,T,N,H], lse f32 [B,N,T]) of this device's query block against the whole ring."""
   steps = _Steps(ring, config.is_causal, q.shape[1], k.shape[1])
-  out = jnp.zeros(q.shape, jnp.float32)
-  lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
   kv = (k, v)
+
+  def fold(call, state):
+    block_out, block_lse = _kernel_call.forward(
+        schedule, call.config(config), call.q_rows(q), call.kv_rows(kv[0]),
+        call.kv_rows(kv[1]), None, None, call.q_valid, call.kv_valid)
+    if state is None:  # step 0: one call covering every row starts the accumulators
+      return block_out.astype(jnp.float32), block_lse
+    return call.merge_rows(*state, block_out, block_lse)
+
+  state = None
   for step in range(steps.size):
     next_kv = steps.shift(kv) if step + 1 < steps.size else None  # in flight while we compute
-    for call in steps.calls(step, q_lens, kv_lens):
-      block_out, block_lse = _kernel_call.forward(
-          schedule, call.config(config), call.q_rows(q), call.kv_rows(kv[0]),
-          call.kv_rows(kv[1]), None, None, call.q_valid, call.kv_valid)
-      out, lse = call.merge_rows(out, lse, block_out, block_lse)
+    state = _run_step(steps.calls(step, q_lens, kv_lens), fold, state)
     kv = next_kv
+  out, lse = state
   return out.astype(q.dtype), lse
 
 
@@ -161,35 +168,40 @@ def ring_backward(schedule, config: AttentionConfig, ring: RingSpec, q, k, v, q_
                   out, lse, dout):
   """(dq, dk, dv) of this device's blocks; K/V and their gradient accumulators travel."""
   steps = _Steps(ring, config.is_causal, q.shape[1], k.shape[1])
-  dq = jnp.zeros(q.shape, jnp.float32)
-  dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
   kv = (k, v)
+
+  def fold(call, state):
+    dq_part, dk_part, dv_part, _ = _kernel_call.backward(
+        schedule, call.config(config), call.q_rows(q), call.kv_rows(kv[0]),
+        call.kv_rows(kv[1]), None, None, call.q_valid, call.kv_valid, call.q_rows(out),
+        call.q_rows(lse, axis=2), call.q_rows(dout))
+    if state is None:  # step 0: one call covering every row starts the accumulators
+      return tuple(x.astype(jnp.float32) for x in (dq_part, dk_part, dv_part))
+    dq, dk, dv = state
+    return (call.add_q_rows(dq, dq_part), call.add_kv_rows(dk, dk_part),
+            call.add_kv_rows(dv, dv_part))
+
+  state = None
   for step in range(steps.size):
     next_kv = steps.shift(kv) if step + 1 < steps.size else None
-    for call in steps.calls(step, q_lens, kv_lens):
-      dq_part, dk_part, dv_part, _ = _kernel_call.backward(
-          schedule, call.config(config), call.q_rows(q), call.kv_rows(kv[0]),
-          call.kv_rows(kv[1]), None, None, call.q_valid, call.kv_valid, call.q_rows(out),
-          call.q_rows(lse, axis=2), call.q_rows(dout))
-      dq = call.add_q_rows(dq, dq_part)
-      dkv = (call.add_kv_rows(dkv[0], dk_part), call.add_kv_rows(dkv[1], dv_part))
-    dkv = steps.shift(dkv)  # after the last step this brings each block's gradient home
+    dq, *dkv = _run_step(steps.calls(step, q_lens, kv_lens), fold, state)
+    state = (dq, *steps.shift(dkv))  # after the last step this brings each block's gradient home
     kv = next_kv
-  return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+  dq, dk, dv = state
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 # -- which kernel calls one ring step makes ------------------------------------------------------
 
-# Which rows of a block a call covers: ALL, or half 0 (lo) / half 1 (hi) of a zigzag block,
-# possibly chosen at run time (a traced 0/1 scalar).
+# Which rows of a block a call covers: ALL, or half 0 (lo) / half 1 (hi) of a zigzag block.
 ALL = None
 
 
 @dataclasses.dataclass(frozen=True)
 class _Call:
   """One per-shard kernel call inside a ring step, and how its result maps onto the block."""
-  q_half: object           # ALL, 0, 1 or a traced int32 scalar
-  kv_half: object
+  q_half: int | None       # ALL, 0 or 1
+  kv_half: int | None
   causal: bool
   q_valid: jax.Array       # int32 [B]: valid query rows of the rows this call sees
   kv_valid: jax.Array      # int32 [B]: valid keys of the key rows this call sees
@@ -218,11 +230,32 @@ class _Call:
     return (_put_rows(out, merged_out, self.q_half, 1), _put_rows(lse, merged_lse, self.q_half, 2))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+  """A ring step whose calls depend on a run-time fact (on which side of us the source lies)."""
+  predicate: jax.Array     # bool scalar
+  if_true: Sequence[_Call]
+  if_false: Sequence[_Call]
+
+
+def _run_step(step_calls, fold, state):
+  """state = fold(call, state) over the calls of one step, under lax.cond for a _Choice."""
+  def fold_all(calls, state):
+    for call in calls:
+      state = fold(call, state)
+    return state
+
+  if isinstance(step_calls, _Choice):
+    return lax.cond(step_calls.predicate, functools.partial(fold_all, step_calls.if_true),
+                    functools.partial(fold_all, step_calls.if_false), state)
+  return fold_all(step_calls, state)
+
+
 def _rows(x, half, axis):
   if half is ALL:
     return x
   size = x.shape[axis] // 2
-  return lax.dynamic_slice_in_dim(x, half * size, size, axis)
+  return lax.slice_in_dim(x, half * size, (half + 1) * size, axis=axis)
 
 
 def _put_rows(x, part, half, axis):
@@ -259,7 +292,7 @@ class _Steps:
     perm = [(i, (i + 1) % self.size) for i in range(self.size)]
     return tuple(lax.ppermute(x, self.axis_name, perm) for x in arrays)
 
-  def calls(self, step: int, q_lens, kv_lens) -> Sequence[_Call]:
+  def calls(self, step: int, q_lens, kv_lens) -> Sequence[_Call] | _Choice:
     source = (self.me - step) % self.size  # whose key/value block we hold at this step
     q_valid = self._valid(q_lens, self.me, ALL, self.q_len)
     kv_valid = self._valid(kv_lens, source, ALL, self.kv_len)
@@ -269,14 +302,10 @@ class _Steps:
       return [_Call(ALL, ALL, True, q_valid, kv_valid)]
     if not self.zigzag:  # keys of a later block are all in the future: none of them is kept
       return [_Call(ALL, ALL, False, q_valid, jnp.where(source < self.me, kv_valid, 0))]
-    earlier = source < self.me
-    half = jnp.where(earlier, 0, 1).astype(jnp.int32)
-    return [
-        _Call(1, 0, False, self._valid(q_lens, self.me, 1, self.q_len),
-              self._valid(kv_lens, source, 0, self.kv_len)),
-        _Call(half, half, False, self._valid(q_lens, self.me, half, self.q_len),
-              self._valid(kv_lens, source, half, self.kv_len)),
-    ]
+    return _Choice(
+        source < self.me,
+        if_true=[_Call(ALL, 0, False, q_valid, self._valid(kv_lens, source, 0, self.kv_len))],
+        if_false=[_Call(1, ALL, False, self._valid(q_lens, self.me, 1, self.q_len), kv_valid)])
 
   def _valid(self, lengths, device, half, block_len):
     """Valid rows among the rows `half` of `device`'s block: prefix lengths stay prefixes."""
@@ -287,8 +316,7 @@ class _Steps:
     if half is ALL:
       return (_chunk_valid(lengths, lo_chunk, chunk_len)
               + _chunk_valid(lengths, hi_chunk, chunk_len))
-    chunk = jnp.where(jnp.asarray(half) == 0, lo_chunk, hi_chunk)
-    return _chunk_valid(lengths, chunk, chunk_len)
+    return _chunk_valid(lengths, (lo_chunk, hi_chunk)[half], chunk_len)
 
 
 def _chunk_valid(lengths, chunk, chunk_len: int):
