@@ -77,7 +77,8 @@ def _detail_line(row: dict, mode: str) -> str:
   verdict = "ok" if check["passed"] else f"FAILED (tolerance {check['tolerance_rel_l2']:.0e})"
   shared = (f"  [same kernels as {row['shares_kernels_with']}]"
             if "shares_kernels_with" in row else "")
-  return (f"{name}{1e3 * row['seconds']:9.3f} ms (best {1e3 * row['seconds_best']:.3f})"
+  trace = (f", trace {row['trace_ms_per_call']:.3f}" if "trace_ms_per_call" in row else "")
+  return (f"{name}{1e3 * row['seconds']:9.3f} ms (best {1e3 * row['seconds_best']:.3f}{trace})"
           f"  {row[key]:8.3f} {unit}  max_abs {check['max_abs']:.2e}  rel_l2 {check['rel_l2']:.2e}"
           f" {verdict}   {kernels}{shared}")
 

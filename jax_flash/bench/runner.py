@@ -198,6 +198,11 @@ def _run_case(case: Case, peers: list[Peer], options: RunOptions, started: float
   for name in prepared:
     report = reports[name]
     rows[name]["kernels"] = report.to_json()
+    if options.backend == "gpu" and not report.error:
+      # Device time per call while the trace ran a few isolated calls: against the timed
+      # median of back-to-back calls it tells idle gaps or clock drops from kernel speed.
+      rows[name]["trace_ms_per_call"] = (sum(k.time_us for k in report.kernels)
+                                         / kernels.RUNS_PER_IMPL / 1e3)
     rows[name]["kernel_summary"] = report.summary()
     if name in shared:
       rows[name]["shares_kernels_with"] = shared[name]

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device session: build the extension on the GPU machine, run the GPU tests, benchmark.
 #   bash tests/gpu/run_device.sh [STAGE...]
-#     stages: build tests bench decode (default), and on a 2-GPU machine: sharding ring
+#     stages: build tests bench v1 (default), and on a 2-GPU machine: sharding ring
 # Run from the repository root with `.carry` (holding the nvidia-cutlass wheel) carried along.
-# Writes build and test logs and the bench outputs under $OUT (or /tmp/jf_out): 7 files.
+# Writes build and test logs, the bench outputs (json + txt) and a clock / power log (smi.csv)
+# under $OUT (or /tmp/jf_out): at most 7 files from the default stages.
 set -uo pipefail
 OUT=${OUT:-/tmp/jf_out}
 mkdir -p "$OUT"
-stages=${*:-build tests bench decode}
+stages=${*:-build tests bench v1}
 export NCCL_NVLS_ENABLE=0  # never NVLink multicast on the shared hosts
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=/tmp/site
 has() { [[ " $stages " == *" $1 "* ]]; }
@@ -27,15 +28,22 @@ if has tests; then
     -k "not cpu" > "$OUT/pytest.log" 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/pytest.log" | tail -25
 fi
-if has bench; then
-  timeout ${BENCH_TIMEOUT:-150} python3 -m jax_flash.bench --heads 128 --seqlens 4096,16384 \
-    --mode fwd,fwdbwd --repeats 3 --max-seconds 120 --out "$OUT/bench" > /tmp/bench.log 2>&1
-  echo "bench rc=$?"; tail -40 /tmp/bench.log
+if has bench; then  # the grid of BENCHMARK.md, every mode, the peers in the same run
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
+    --format=csv,noheader -lms 250 > "$OUT/smi.csv" 2>&1 &
+  smi=$!
+  timeout ${BENCH_TIMEOUT:-330} python3 -m jax_flash.bench --mode fwd,fwdbwd,decode \
+    --impl ${BENCH_IMPL:-v2,v3,cudnn,torch_cudnn,torch_flash,flash_decode,xla} --xla-max-seqlen 1 \
+    --repeats 5 --max-seconds ${BENCH_MAX_SECONDS:-300} --out "$OUT/bench" > /tmp/bench.log 2>&1
+  echo "bench rc=$?"; sed -n '/^== /,$p' /tmp/bench.log | head -80
+  kill $smi
+  rm -f "$OUT"/bench/*.png  # re-rendered off the device: python -m jax_flash.bench --from-json
 fi
-if has decode; then
-  timeout ${DECODE_TIMEOUT:-60} python3 -m jax_flash.bench --mode decode --repeats 3 \
-    --out "$OUT/decode" > /tmp/decode.log 2>&1
-  echo "decode rc=$?"; tail -20 /tmp/decode.log; rm -f "$OUT"/decode/*.png
+if has v1; then  # FlashAttention-1 against -2 on the grid's H=128 rows, forward
+  timeout ${V1_TIMEOUT:-150} python3 -m jax_flash.bench --mode fwd --heads 128 --impl v1,v2 \
+    --repeats 3 --no-ceilings --out "$OUT/bench_v1" > /tmp/bench_v1.log 2>&1
+  echo "v1 rc=$?"; sed -n '/^== /,$p' /tmp/bench_v1.log | head -20
+  rm -f "$OUT"/bench_v1/*.png
 fi
 if has sharding; then
   timeout ${SHARDING_TIMEOUT:-150} python3 -m pytest -q -s -p no:cacheprovider \
