@@ -2,8 +2,10 @@
 
 `attention="fuse"` leaves the hand-written softmax(QKᵀ)V in the model and lets
 `jax_flash.fuse` swap in the fused kernel; "direct" calls `jax_flash.flash_attention`;
-"xla" runs the hand-written attention unfused. The corpus is the docstrings of Python's
-standard library, so the example needs no download.
+"xla" runs the hand-written attention unfused; "cudnn" calls jax.nn.dot_product_attention's
+cuDNN kernel (GPU). The corpus is the docstrings of Python's standard library, so the example
+needs no download. Parameters are float32; `ModelConfig.dtype` is the compute dtype (bfloat16
+for the GPU schedules, which take 16-bit inputs like cuDNN).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class ModelConfig:
   num_kv_heads: int = 2     # grouped-query attention
   num_layers: int = 2
   seq_len: int = 128
+  dtype: str = "float32"    # compute dtype of the activations (parameters stay float32)
 
   @property
   def head_dim(self) -> int:
@@ -83,8 +86,12 @@ def hand_written_attention(q, k, v):
   return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, axis=-1), v)
 
 
-def direct_attention(q, k, v):
-  return jax_flash.flash_attention(q, k, v, is_causal=True)
+def direct_attention(q, k, v, schedule: str = "auto"):
+  return jax_flash.flash_attention(q, k, v, is_causal=True, schedule=schedule)
+
+
+def cudnn_attention(q, k, v):
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
 def _rms_norm(x, weight):
@@ -95,6 +102,7 @@ def forward(params, tokens, config: ModelConfig, attention=hand_written_attentio
   """Logits [B, T, vocab] for tokens [B, T]."""
   b, t = tokens.shape
   h = config.head_dim
+  params = jax.tree.map(lambda w: w.astype(config.dtype), params)
   x = params["embed"][tokens] + params["pos"][:t]
   for layer in params["layers"]:
     y = _rms_norm(x, layer["ln1"])
@@ -107,7 +115,7 @@ def forward(params, tokens, config: ModelConfig, attention=hand_written_attentio
 
 
 def loss_fn(params, tokens, config: ModelConfig, attention=hand_written_attention):
-  logits = forward(params, tokens[:, :-1], config, attention)
+  logits = forward(params, tokens[:, :-1], config, attention).astype(jnp.float32)
   targets = tokens[:, 1:]
   log_probs = jax.nn.log_softmax(logits, axis=-1)
   return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))

@@ -193,7 +193,7 @@ class Spelling:
 
   @property
   def id(self):
-    return self.fn.__name__
+    return self.fn.__name__ + ("" if self.dtype == "float32" else f"-{self.dtype}")
 
 
 SPELLINGS = [
@@ -219,6 +219,13 @@ SPELLINGS = [
     Spelling(v_left_matmul),
     Spelling(softcap_tanh, recognized=("softcap  20",)),
     Spelling(f32_softmax_between_bf16, dtype="bfloat16", recognized=("bfloat16",)),
+    # 16-bit models: jax.nn.softmax sums in float32 between casts, constants are bfloat16, and
+    # XLA's einsum may put P on the right of the PV dot_general.
+    Spelling(einsum_tril_where_inf, dtype="bfloat16", recognized=("causal", "bfloat16")),
+    Spelling(gqa_repeat, kv_heads=K, dtype="bfloat16", recognized=("GQA via repeat",)),
+    Spelling(padding_from_lengths, ("kv_lengths",), dtype="float16",
+             recognized=("key padding", "float16")),
+    Spelling(iota_causal_finfo_min_stop_gradient, dtype="bfloat16", recognized=("causal",)),
     Spelling(k_permuted_not_swapped, heads=H, kv_heads=H, head_dim=H),
     Spelling(dpa_xla_causal, kv_heads=K, recognized=("causal", "GQA")),
     Spelling(dpa_xla_everything, ("bias", "mask", "q_lengths", "kv_lengths"), kv_heads=K,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_flash.rewrite import compat
@@ -172,7 +173,7 @@ _SCALAR_SHAPE_OPS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand
 def _scalar(graph: Graph, value: Value) -> float | None:
   if value.is_const:
     array = value.concrete(_MAX_UNIFORM_CHECK)
-    if array is None or array.size == 0 or not np.issubdtype(array.dtype, np.number):
+    if array is None or array.size == 0 or not jnp.issubdtype(array.dtype, jnp.number):
       return None
     first = array.reshape(-1)[0]
     if array.size > 1 and not np.all(array == first):

@@ -22,6 +22,7 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_flash.rewrite import compat
@@ -169,7 +170,7 @@ class MaskReader:
   def _constant(self, value: Value, array, labels: tuple):
     if array.dtype == np.bool_ and array.size >= 1 and np.all(array == array.reshape(-1)[0]):
       return TRUE if bool(array.reshape(-1)[0]) else FALSE
-    if not np.issubdtype(array.dtype, np.number):
+    if not jnp.issubdtype(array.dtype, jnp.number):
       return None
     scalar = self.graph.scalar(value)
     if scalar is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from jax_flash.rewrite import compat, masks, operands
@@ -70,7 +71,7 @@ class Site:
 
 def fill_threshold(dtype) -> float:
   """Fills at or below this are negligible: exp(fill - max) is 0 for any sane row max."""
-  return max(-1e9, -0.5 * float(np.finfo(np.dtype(dtype)).max))
+  return max(-1e9, -0.5 * float(jnp.finfo(dtype).max))
 
 
 def _depends_on_random(value: Value, budget: int = 64) -> bool:

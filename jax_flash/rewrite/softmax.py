@@ -4,6 +4,9 @@ Two spellings reach a jaxpr:
   written out (also what `jax.nn.softmax` emits by default):
       m = stop_gradient?(max(-inf?, reduce_max(x, axis)))      (optional: exp(x) / sum is fine)
       e = exp(x - broadcast(m));  p = e / broadcast(reduce_sum(e, axis))   (or e * (1 / sum))
+    with 16-bit x, jax.nn.softmax sums in float32: reduce_sum(convert(e)), converted back before
+    the division; such float-to-float casts around the sum are accepted (the fused kernel sums
+    in float32 throughout).
   `custom_jvp_call` whose body is the above (`jax.nn.softmax` under jax_softmax_custom_jvp).
 """
 from __future__ import annotations
@@ -11,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from jax_flash.rewrite.graph import Graph, Node, Value
 
 _KEEPDIMS_OPS = frozenset({"broadcast_in_dim", "reshape", "expand_dims"})
+_CAST = "convert_element_type"
 
 
 @dataclasses.dataclass
@@ -63,9 +68,24 @@ def _denominator(graph: Graph, node: Node):
   return None
 
 
+def _float_casts(value: Value) -> tuple[Value, list]:
+  """Walk producers through float-to-float convert_element_type; the first other value."""
+  nodes = []
+  while (value.producer is not None and value.producer.prim == _CAST
+         and jnp.issubdtype(value.dtype, jnp.floating)
+         and jnp.issubdtype(value.producer.inputs[0].dtype, jnp.floating)):
+    nodes.append(value.producer)
+    value = value.producer.inputs[0]
+  return value, nodes
+
+
 def _sum_of(graph: Graph, denominator: Value):
-  """(e, axis, nodes) for denominator = keepdims(reduce_sum(e)) or its reciprocal."""
+  """(e, axis, nodes) for denominator = keepdims(reduce_sum(e)) or its reciprocal, float
+  casts allowed around the sum."""
   value, nodes = _through(denominator, _KEEPDIMS_OPS)
+  value, casts = _float_casts(value)
+  value, more_keepdims = _through(value, _KEEPDIMS_OPS)
+  nodes += casts + more_keepdims
   producer = value.producer
   if producer is not None and producer.prim == "div" and graph.scalar(producer.inputs[0]) == 1.0:
     nodes.append(producer)
@@ -77,7 +97,8 @@ def _sum_of(graph: Graph, denominator: Value):
   if found is None:
     return None
   e, axis, more = found
-  return e, axis, nodes + more
+  e, casts = _float_casts(e)
+  return e, axis, nodes + more + casts
 
 
 def _max_shift(graph: Graph, shift: Value, x: Value, axis: int):
