@@ -65,6 +65,8 @@ GRAD_CASES = [
     Case(b=1, t=33, s=40, n=2, k=2, h=64, softcap=4.0, bias=("b", "1", "1", "s")),
     Case(b=1, t=1030, s=1030, n=1, k=1, h=32, is_causal=True),
     Case(b=1, t=17, s=17, n=2, k=2, h=20),
+    Case(b=1, t=77, s=77, n=4, k=2, h=128, is_causal=True, softcap=5.0),
+    Case(b=1, t=33, s=40, n=2, k=1, h=256),  # v3: the v2 backward serves head dim 256
 ]
 
 
