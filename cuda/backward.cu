@@ -4,7 +4,8 @@
 //   2. dkdv: one CTA per key block (and kv head, batch) keeps K, V in shared memory and dK, dV
 //      in registers, and walks every query block of every query head that reads its kv head:
 //      recompute S = Q K^T and P = exp(S - lse), dP = dO V^T, dS = P (dP - D); then
-//      dV += P^T dO, dK += dS^T Q, and dQ (= dS K) is added into the fp32 dq_accum.
+//      dV += P^T dO (warps 0-3), dK += dS^T Q (warps 4-7), and dQ (= dS K) is added into the
+//      fp32 dq_accum.
 //   3. convert: dq = scale * dq_accum, rounded to the element type.
 // dq_accum keeps each 64-row query block in the order of the dQ MMA fragments (DqLayout): a
 // warp's atomic add of one fragment element covers 32 consecutive floats, one instruction per
@@ -64,8 +65,10 @@ struct BwdLayout {
   static constexpr int kBlockN = Shape::kBlockN, kStages = Shape::kStages;
   // S and dP: 2 x 4 warps of 32 rows x kBlockN/4 keys.
   static constexpr int MT_S = 2, NT_S = kBlockN / 32;
-  // dK and dV: 4 x 2 warps of kBlockN/4 keys x kHeadDim/2 columns.
-  static constexpr int MT_KV = kBlockN / 64, NT_KV = kHeadDim / 16;
+  // dV on warps 0-3, dK on warps 4-7: kBlockN/4 keys x the whole head dim each, so every
+  // fragment of dO / Q read from shared memory feeds 2 * MT_KV MMAs (a 4 x 2 split of both
+  // over all 8 warps reads 6 fragments per 16 MMAs where this reads 10 per 32).
+  static constexpr int MT_KV = kBlockN / 64, NT_KV = kHeadDim / 8;
   using Dq = DqLayout<kHeadDim>;
   using KVTile = Tile<kBlockN, kHeadDim>;
   using QTile = Tile<kBlockM, kHeadDim>;
@@ -75,31 +78,36 @@ struct BwdLayout {
                                     2 * PTile::kBytes + kStages * kRowStatsBytes;
 };
 
-// D = rowsum(dout * out) for every (b, t, n) row, one warp per row.
-template <typename T>
+// D = rowsum(dout * out) for every (b, t, n) row: kLanes = (head-dim capacity) / 8 lanes per
+// row, one 16-byte chunk of out and dout each, so every lane has loads in flight.
+template <typename T, int kLanes>
 __global__ void __launch_bounds__(256) preprocess_kernel(const __grid_constant__ BackwardArgs args,
                                                          const BackwardWorkspace ws) {
+  constexpr int kRowsPerBlock = 256 / kLanes;
   const AttentionShape& shape = args.fwd.shape;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + threadIdx.x / 32;  // (b, t, n)
-  const int lane = threadIdx.x % 32;
-  if (row >= shape.batch * shape.q_len * shape.num_heads) return;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kLanes;
+  const int chunk = threadIdx.x % kLanes;
   const int head_dim = static_cast<int>(shape.head_dim);
-  const int64_t n = row % shape.num_heads, t = row / shape.num_heads % shape.q_len,
-                b = row / (shape.num_heads * shape.q_len);
-  const T* out = static_cast<const T*>(args.fwd.out) + row * head_dim;
-  const T* dout = static_cast<const T*>(args.dout) + row * head_dim;
+  const bool valid = row < shape.batch * shape.q_len * shape.num_heads;  // (b, t, n)
   float sum = 0.f;
-  for (int c = lane; c < head_dim / 8; c += 32) {
-    const uint4 o = *reinterpret_cast<const uint4*>(out + c * 8);
-    const uint4 d = *reinterpret_cast<const uint4*>(dout + c * 8);
+  if (valid && chunk < head_dim / 8) {
+    const uint4 o = *reinterpret_cast<const uint4*>(static_cast<const T*>(args.fwd.out) +
+                                                    row * head_dim + chunk * 8);
+    const uint4 d = *reinterpret_cast<const uint4*>(static_cast<const T*>(args.dout) +
+                                                    row * head_dim + chunk * 8);
     const T* oe = reinterpret_cast<const T*>(&o);
     const T* de = reinterpret_cast<const T*>(&d);
 #pragma unroll
     for (int i = 0; i < 8; ++i) sum += Element<T>::to_float(oe[i]) * Element<T>::to_float(de[i]);
   }
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (lane == 0) ws.dsum[(b * shape.num_heads + n) * shape.q_len + t] = sum;
+  for (int offset = kLanes / 2; offset > 0; offset /= 2)
+    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (valid && chunk == 0) {
+    const int64_t n = row % shape.num_heads, t = row / shape.num_heads % shape.q_len,
+                  b = row / (shape.num_heads * shape.q_len);
+    ws.dsum[(b * shape.num_heads + n) * shape.q_len + t] = sum;
+  }
 }
 
 // dq = scale * dq_accum for one 64-row query block of one (b, head): each thread reads its
@@ -165,7 +173,8 @@ __global__ void __launch_bounds__(256, 1)
 
   // Warp tiles of the three products.
   const int s_r0 = (warp / 4) * 32, s_c0 = (warp % 4) * (L::kBlockN / 4);
-  const int kv_r0 = (warp / 2) * (L::kBlockN / 4), kv_c0 = (warp % 2) * (kHeadDim / 2);
+  const int kv_r0 = (warp % 4) * (L::kBlockN / 4);
+  const bool dk_warp = warp >= 4;  // this warp accumulates dK, else dV
   const int q_r0 = L::Dq::row0(warp), q_c0 = L::Dq::col0(warp);
 
   const int num_blocks = sequential ? (kv_len + L::kBlockN - 1) / L::kBlockN : 1;
@@ -195,9 +204,8 @@ __global__ void __launch_bounds__(256, 1)
     };
 
     if (jj > 0) __syncthreads();  // the previous key block's tiles are consumed
-    float dk_acc[MT_KV][NT_KV][4], dv_acc[MT_KV][NT_KV][4];
-    zero(dk_acc);
-    zero(dv_acc);
+    float kv_acc[MT_KV][NT_KV][4];  // dK or dV (dk_warp) of keys kv_r0 + [0, kBlockN / 4)
+    zero(kv_acc);
     if (total > 0) {
       sK.template load_async<L::kThreads>(k.row(c0), k.stride, band.kv_len - c0, chunks, tid);
       sV.template load_async<L::kThreads>(v.row(c0), v.stride, band.kv_len - c0, chunks, tid);
@@ -214,19 +222,49 @@ __global__ void __launch_bounds__(256, 1)
 
       float s[MT_S][NT_S][4], dp[MT_S][NT_S][4];
       zero(s);
-      zero(dp);
       warp_gemm<T, MT_S, NT_S, kHeadDim / 16>(
           s, [&](uint32_t(&a)[MT_S][4], int k0) { load_a(a, sQ, s_r0, k0, lane); },
           [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_nmajor(bf, sK, k0, s_c0 + n0, lane); });
+      zero(dp);
       warp_gemm<T, MT_S, NT_S, kHeadDim / 16>(
           dp, [&](uint32_t(&a)[MT_S][4], int k0) { load_a(a, sdO, s_r0, k0, lane); },
           [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_nmajor(bf, sV, k0, s_c0 + n0, lane); });
 
-      // P = exp(score - lse) and dS = P (dP - D), in place.
+      // P = exp(score - lse) in place.
       const Scores scores(fwd, b, head, band);
       const int t0 = r0 + s_r0, key0 = c0 + s_c0;
       const bool check = !scores.all_kept(t0, t0 + 32, key0, key0 + L::kBlockN / 4);
-      const float log2_scale = scores.log2_scale();
+      // The softcap's chain factor 1 - tanh^2 of each score (general variant only).
+      float chain[kGeneral ? MT_S : 1][kGeneral ? NT_S : 1][4];
+      // A plain call masks by setting dropped scores to -inf (only on tiles the band cuts), so
+      // every element takes the same FFMA + exp2: exp2(-inf) = 0, and lse2 = +inf (rows with no
+      // kept key) gives exp2(-inf) = 0 as well. (A keep test per element, run on every tile
+      // while all warps wait at the next barrier, cost 7-9% of the backward on the H200.)
+      const float mul = kGeneral ? 1.f : scores.apply<false>(s, t0, key0, check, lane);
+#pragma unroll
+      for (int m = 0; m < MT_S; ++m)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = s_r0 + c_row(m, 2 * half, lane);
+          const float lse = stage_lse(stage)[r];
+          const float lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
+#pragma unroll
+          for (int n = 0; n < NT_S; ++n)
+#pragma unroll
+            for (int e = 2 * half; e < 2 * half + 2; ++e) {
+              if constexpr (kGeneral) {
+                const int t = r0 + r, key = key0 + c_col(n, e, lane);
+                float saturation = 0.f;
+                const bool kept = !check || scores.keeps(t, key);
+                const float x2 = kept ? scores.log2_score(s[m][n][e], t, key, saturation) : 0.f;
+                s[m][n][e] = kept ? fast_exp2(x2 - lse2) : 0.f;
+                chain[m][n][e] = 1.f - saturation * saturation;
+              } else {
+                s[m][n][e] = fast_exp2(s[m][n][e] * mul - lse2);
+              }
+            }
+        }
+      // dS = P (dP - D) in place (its bias gradient before the softcap's chain factor).
       float* dbias = kGeneral && args.dbias != nullptr
                          ? args.dbias + (static_cast<int64_t>(b) * shape.num_heads + head) *
                                             static_cast<int64_t>(q_len) * kv_len
@@ -236,42 +274,32 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = s_r0 + c_row(m, 2 * half, lane);
-          const float lse = stage_lse(stage)[r];
-          const float lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;  // p = 0 on empty rows
           const float dsum = stage_dsum(stage)[r];
 #pragma unroll
           for (int n = 0; n < NT_S; ++n)
 #pragma unroll
             for (int e = 2 * half; e < 2 * half + 2; ++e) {
-              const int t = r0 + r, key = key0 + c_col(n, e, lane);
-              float saturation = 0.f;
-              bool kept;
-              float x2;
-              if (kGeneral) {
-                kept = !check || scores.keeps(t, key);
-                x2 = kept ? scores.log2_score(s[m][n][e], t, key, saturation) : 0.f;
+              const float ds = s[m][n][e] * (dp[m][n][e] - dsum);
+              if constexpr (kGeneral) {
+                const int t = r0 + r, key = key0 + c_col(n, e, lane);
+                if (dbias != nullptr && t < q_len && key < kv_len)
+                  dbias[static_cast<int64_t>(t) * kv_len + key] = ds;
+                dp[m][n][e] = ds * chain[m][n][e];
               } else {
-                kept = !check || band.keeps(t, key);
-                x2 = s[m][n][e] * log2_scale;
+                dp[m][n][e] = ds;
               }
-              const float p = kept ? fast_exp2(x2 - lse2) : 0.f;
-              const float ds = p * (dp[m][n][e] - dsum);
-              if (kGeneral && dbias != nullptr && t < q_len && key < kv_len)
-                dbias[static_cast<int64_t>(t) * kv_len + key] = ds;
-              s[m][n][e] = p;
-              dp[m][n][e] = kGeneral ? ds * (1.f - saturation * saturation) : ds;
             }
         }
       store_c<T>(sP, s, s_r0, s_c0, lane);
       store_c<T>(sdS, dp, s_r0, s_c0, lane);
       __syncthreads();
 
+      // dK += dS^T Q on dK warps, dV += P^T dO on dV warps.
+      const typename L::PTile sA{dk_warp ? sdS.base : sP.base};
+      const typename L::QTile sB{dk_warp ? sQ.base : sdO.base};
       warp_gemm<T, MT_KV, NT_KV, L::kBlockM / 16>(
-          dv_acc, [&](uint32_t(&a)[MT_KV][4], int k0) { load_a_transposed(a, sP, kv_r0, k0, lane); },
-          [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_kmajor(bf, sdO, k0, kv_c0 + n0, lane); });
-      warp_gemm<T, MT_KV, NT_KV, L::kBlockM / 16>(
-          dk_acc, [&](uint32_t(&a)[MT_KV][4], int k0) { load_a_transposed(a, sdS, kv_r0, k0, lane); },
-          [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_kmajor(bf, sQ, k0, kv_c0 + n0, lane); });
+          kv_acc, [&](uint32_t(&a)[MT_KV][4], int k0) { load_a_transposed(a, sA, kv_r0, k0, lane); },
+          [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_kmajor(bf, sB, k0, n0, lane); });
 
       float dq[MT_Q][NT_Q][4];
       zero(dq);
@@ -303,17 +331,16 @@ __global__ void __launch_bounds__(256, 1)
       }
     }
 
-    // dK = scale * dS^T Q; both staged through the K and V tiles for 16-byte stores.
-    const float scale = fwd.spec.scale;
+    // dK = scale * dS^T Q; dK and dV staged through the K and V tiles for 16-byte stores.
+    const float scale = dk_warp ? fwd.spec.scale : 1.f;
 #pragma unroll
     for (int m = 0; m < MT_KV; ++m)
 #pragma unroll
       for (int n = 0; n < NT_KV; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dk_acc[m][n][e] *= scale;
+        for (int e = 0; e < 4; ++e) kv_acc[m][n][e] *= scale;
     __syncthreads();  // every warp is done reading K and V
-    store_c<T>(sK, dk_acc, kv_r0, kv_c0, lane);
-    store_c<T>(sV, dv_acc, kv_r0, kv_c0, lane);
+    store_c<T>(dk_warp ? sK : sV, kv_acc, kv_r0, 0, lane);
     __syncthreads();
     sK.template store_rows<L::kThreads, L::kBlockN>(dk.row(c0), dk.stride, 0, kv_len - c0, chunks, tid);
     sV.template store_rows<L::kThreads, L::kBlockN>(dv.row(c0), dv.stride, 0, kv_len - c0, chunks, tid);
@@ -336,7 +363,9 @@ cudaError_t launch_backward_typed(const BackwardArgs& args, const BackwardWorksp
   if (err != cudaSuccess) return err;
   const int64_t rows = shape.batch * shape.q_len * shape.num_heads;
   if (rows > 0) {
-    preprocess_kernel<T><<<(rows + 7) / 8, 256, 0, stream>>>(args, ws);
+    constexpr int kLanes = kHeadDim / 8, kRowsPerBlock = 256 / kLanes;
+    preprocess_kernel<T, kLanes>
+        <<<(rows + kRowsPerBlock - 1) / kRowsPerBlock, 256, 0, stream>>>(args, ws);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   const int64_t key_blocks = (shape.kv_len + L::kBlockN - 1) / L::kBlockN;

@@ -368,8 +368,10 @@ struct Band {
 
   __device__ static Band of(const ForwardArgs& args, int b) {
     Band band;
-    band.q_len = min(max(args.q_seqlens[b], 0), static_cast<int>(args.shape.q_len));
-    band.kv_len = min(max(args.kv_seqlens[b], 0), static_cast<int>(args.shape.kv_len));
+    // Absent per-sequence lengths (nullptr, as the C++ harnesses pass) mean full length.
+    const int q_len = static_cast<int>(args.shape.q_len), kv_len = static_cast<int>(args.shape.kv_len);
+    band.q_len = args.q_seqlens ? min(max(args.q_seqlens[b], 0), q_len) : q_len;
+    band.kv_len = args.kv_seqlens ? min(max(args.kv_seqlens[b], 0), kv_len) : kv_len;
     band.left = args.spec.window_left < 0 ? kUnbounded : args.spec.window_left;
     band.right = args.spec.is_causal ? 0
                  : args.spec.window_right < 0 ? kUnbounded

@@ -9,13 +9,12 @@
 //   harness_v1v2 --profile  one v2 forward + backward at H=128, T=4096 (for ncu)
 //   --seed N                replay a seed (printed at start)
 //
-// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_80,code=sm_80
-//        -gencode=arch=compute_80,code=sm_90 tests/gpu/harness_v1v2.cu cuda/v1.cu cuda/v2.cu
-//        cuda/backward.cu -o .carry/harness_v1v2
+// Build: bash tests/gpu/build_v1v2.sh (nvcc -O3 -std=c++17 -gencode=arch=compute_80,code=sm_80
+//        -gencode=arch=compute_80,code=sm_90, static cudart) -> .carry/harness_v1v2
 //
-// Tuning build (-DJAX_FLASH_TUNE, with cuda/v1.cu only: v2.cu and backward.cu are included
-// here to instantiate other tile shapes) adds
-//   harness_v1v2 --tune     times alternative v2 tile shapes at H=128, T=4096
+// Tuning build (TUNE=1 bash tests/gpu/build_v1v2.sh: -DJAX_FLASH_TUNE, with cuda/v1.cu only;
+// v2.cu and backward.cu are included here to instantiate other tile shapes) adds
+//   harness_v1v2 --tune     --bench, and on each row alternative v2 tile shapes (tune_row)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -105,15 +104,22 @@ struct Tensor16 {  // a 16-bit tensor with its float values (exactly the rounded
   std::vector<float> val;
 };
 
+// Chunks of 2^20 elements draw from generators seeded by `rng`, in parallel (the benchmark
+// rows hold 2^25 elements per tensor).
 Tensor16 random_tensor(size_t count, DType dt, std::mt19937_64& rng) {
-  std::normal_distribution<float> normal;
+  constexpr size_t kChunk = size_t(1) << 20;
+  const uint64_t seed = rng();
   Tensor16 x;
   x.bits.resize(count);
   x.val.resize(count);
-  for (size_t i = 0; i < count; ++i) {
-    x.bits[i] = to_bits(normal(rng), dt);
-    x.val[i] = to_float(x.bits[i], dt);
-  }
+  parallel_for((count + kChunk - 1) / kChunk, [&](size_t chunk) {
+    std::mt19937_64 gen(seed + chunk);
+    std::normal_distribution<float> normal;
+    for (size_t i = chunk * kChunk; i < std::min(count, (chunk + 1) * kChunk); ++i) {
+      x.bits[i] = to_bits(normal(gen), dt);
+      x.val[i] = to_float(x.bits[i], dt);
+    }
+  });
   return x;
 }
 
@@ -541,12 +547,16 @@ struct SpotErrors {
   Error out, lse, dq, dk, dv;
 };
 
-SpotErrors spot_check(const Problem& p, Device& d, std::mt19937_64& rng) {
+// `forward` / `backward` select the outputs checked (the other part may hold stale values).
+SpotErrors spot_check(const Problem& p, Device& d, std::mt19937_64& rng, bool forward = true,
+                      bool backward = true) {
   const Case& c = p.c;
   SpotErrors e;
   const auto out = d.out.download();
   const auto lse = d.lse.download();
-  const auto dq = d.dq.download(), dk = d.dk.download(), dv = d.dv.download();
+  const std::vector<uint16_t> dq = backward ? d.dq.download() : std::vector<uint16_t>{},
+                              dk = backward ? d.dk.download() : std::vector<uint16_t>{},
+                              dv = backward ? d.dv.download() : std::vector<uint16_t>{};
   const int group = c.n / c.k;
   std::uniform_int_distribution<int> rb(0, c.b - 1), rn(0, c.n - 1), rt(0, c.t - 1),
       rs(0, c.s - 1);
@@ -563,8 +573,11 @@ SpotErrors spot_check(const Problem& p, Device& d, std::mt19937_64& rng) {
   for (auto [b, n, t] : rows) {
     const RowRef ref = ref_row(p, b, n, t);
     const size_t o = out_row(b, t, n);
-    for (int i = 0; i < c.h; ++i) e.out.add(to_float(out[o + i], c.dtype), ref.out[i]);
-    e.lse.add(lse[(size_t(b) * c.n + n) * c.t + t], ref.lse);
+    if (forward) {
+      for (int i = 0; i < c.h; ++i) e.out.add(to_float(out[o + i], c.dtype), ref.out[i]);
+      e.lse.add(lse[(size_t(b) * c.n + n) * c.t + t], ref.lse);
+    }
+    if (!backward) continue;
     // dq row
     std::vector<double> want(c.h, 0.0);
     if (ref.lse != -INFINITY) {
@@ -584,7 +597,7 @@ SpotErrors spot_check(const Problem& p, Device& d, std::mt19937_64& rng) {
     for (int i = 0; i < c.h; ++i) e.dq.add(to_float(dq[o + i], c.dtype), want[i]);
   }
   // dk / dv of sampled keys: sum over every query row of the kv head's group.
-  for (int sample = 0; sample < 4; ++sample) {
+  for (int sample = 0; sample < (backward ? 4 : 0); ++sample) {
     const int b = rb(rng), kv = rn(rng) % c.k, s = rs(rng);
     std::vector<double> want_dk(c.h, 0.0), want_dv(c.h, 0.0);
     std::mutex mu;
@@ -613,7 +626,20 @@ SpotErrors spot_check(const Problem& p, Device& d, std::mt19937_64& rng) {
   return e;
 }
 
-void bench(std::mt19937_64& rng) {
+bool spot_ok(const SpotErrors& e, DType dt) {
+  return e.out.bad + e.lse.bad + e.dq.bad + e.dk.bad + e.dv.bad == 0 &&
+         e.out.max_abs <= out_atol(dt) && e.lse.max_abs <= kLseAtol &&
+         e.dq.rel_l2() <= grad_rel(dt) && e.dk.rel_l2() <= grad_rel(dt) &&
+         e.dv.rel_l2() <= grad_rel(dt);
+}
+
+#ifdef JAX_FLASH_TUNE
+void tune_row(const Problem& p, Device& d, const ForwardArgs& fa, const BackwardArgs& ba,
+              double flops, std::mt19937_64& rng);
+#endif
+
+// With `variants` (tuning build), each row also times the alternative v2 schedules.
+void bench(std::mt19937_64& rng, bool variants) {
   std::printf("\nbench: bf16, B*T = 16384, N*H = 2048, H = 128 (TFLOP/s; fwd = 4BNTSH, halved "
               "when causal; fwd+bwd = 3.5x)\n");
   std::printf("%-28s %9s %9s %11s %11s   spot-check max_abs (out lse dq dk dv)\n", "config",
@@ -642,10 +668,7 @@ void bench(std::mt19937_64& rng) {
         tflops[int(s)][1] = 3.5 * flops / both_ms * 1e-9;
         CUDA_CHECK(cudaDeviceSynchronize());
         const SpotErrors e = spot_check(p, d, rng);
-        const bool ok = e.out.bad + e.lse.bad + e.dq.bad + e.dk.bad + e.dv.bad == 0 &&
-                        e.out.max_abs <= out_atol(c.dtype) && e.lse.max_abs <= kLseAtol &&
-                        e.dq.rel_l2() <= grad_rel(c.dtype) && e.dk.rel_l2() <= grad_rel(c.dtype) &&
-                        e.dv.rel_l2() <= grad_rel(c.dtype);
+        const bool ok = spot_ok(e, c.dtype);
         if (!ok) ++failures;
         char buf[160];
         std::snprintf(buf, sizeof buf, "%s %.1e %.1e %.1e %.1e %.1e %s  ", schedule_name(s),
@@ -657,6 +680,9 @@ void bench(std::mt19937_64& rng) {
                   int(causal), tflops[0][0], tflops[1][0], tflops[0][1], tflops[1][1],
                   checks.c_str());
       std::fflush(stdout);
+#ifdef JAX_FLASH_TUNE
+      if (variants) tune_row(p, d, fa, ba, flops, rng);
+#endif
     }
 }
 
@@ -672,9 +698,12 @@ void profile_once(std::mt19937_64& rng) {
 }
 
 #ifdef JAX_FLASH_TUNE
-// Times alternative tile shapes of the v2 forward and backward at H=128, T=S=4096, B=4, N=16;
-// each variant's outputs are compared with the default shape's.
-void tune(std::mt19937_64& rng) {
+// Times alternative v2 tile shapes on one grid row.
+// Forward variants: TFLOP/s of the forward alone. Backward variants: the backward alone, and
+// forward (default) + backward (variant), BENCHMARK.md counting. Every variant's outputs are
+// spot-checked against float64.
+void tune_row(const Problem& p, Device& d, const ForwardArgs& fa, const BackwardArgs& ba,
+              double flops, std::mt19937_64& rng) {
   using namespace jax_flash;
   using F = cudaError_t (*)(const ForwardArgs&, cudaStream_t);
   using Bw = cudaError_t (*)(const BackwardArgs&, const BackwardWorkspace&, bool, cudaStream_t);
@@ -682,7 +711,6 @@ void tune(std::mt19937_64& rng) {
   const std::vector<std::pair<const char*, F>> forwards = {
       {"fwd M128 N64 W4 (default)", launch_v2_forward_typed<BF, 128, V2Shape<128, 64, 4>>},
       {"fwd M128 N32 W4", launch_v2_forward_typed<BF, 128, V2Shape<128, 32, 4>>},
-      {"fwd M128 N64 W8", launch_v2_forward_typed<BF, 128, V2Shape<128, 64, 8>>},
       {"fwd M128 N128 W8", launch_v2_forward_typed<BF, 128, V2Shape<128, 128, 8>>},
       {"fwd M64 N64 W4", launch_v2_forward_typed<BF, 128, V2Shape<64, 64, 4>>},
   };
@@ -691,46 +719,41 @@ void tune(std::mt19937_64& rng) {
       {"bwd N128 stages1", launch_backward_typed<BF, 128, BwdShape<128, 1>>},
       {"bwd N64 stages2", launch_backward_typed<BF, 128, BwdShape<64, 2>>},
   };
-  for (bool causal : {false, true}) {
-    const Case c{4, 4096, 4096, 16, 16, 128, DType::kBF16, causal};
-    const Problem p = make_problem(c, rng);
-    Device d(p);
-    const ForwardArgs fa = d.forward_args(p);
-    const BackwardArgs ba = d.backward_args(p);
-    const double flops = 4.0 * c.b * c.n * double(c.t) * c.s * c.h * (causal ? 0.5 : 1.0);
-    std::vector<uint16_t> ref_out, ref_dq, ref_dk, ref_dv;
-    std::printf("\ntune H=128 T=4096 B=4 causal=%d\n", int(causal));
-    for (const auto& [name, launch_ref] : forwards) {
-      const F launch = launch_ref;
-      d.out.poison();
-      CUDA_CHECK(launch(fa, 0));
-      CUDA_CHECK(cudaDeviceSynchronize());
-      const auto out = d.out.download();
-      if (ref_out.empty()) ref_out = out;
-      Error e;
-      for (size_t i = 0; i < out.size(); ++i) e.add(to_float(out[i], c.dtype), to_float(ref_out[i], c.dtype));
-      const double ms = median_ms([&] { CUDA_CHECK(launch(fa, 0)); }, 5, 20);
-      std::printf("  %-28s %7.1f TFLOP/s  %.3f ms  max |diff| vs default %.1e  nonfinite %zu\n", name,
-                  flops / ms * 1e-9, ms, e.max_abs, e.bad);
-    }
-    CUDA_CHECK(launch_v2_forward(fa, 0));  // the default's out / lse feed the backward
-    for (const auto& [name, launch_ref] : backwards) {
-      const Bw launch = launch_ref;
-      d.dq.poison(), d.dk.poison(), d.dv.poison();
-      CUDA_CHECK(launch(ba, d.workspace(), false, 0));
-      CUDA_CHECK(cudaDeviceSynchronize());
-      const auto dq = d.dq.download(), dk = d.dk.download(), dv = d.dv.download();
-      if (ref_dq.empty()) ref_dq = dq, ref_dk = dk, ref_dv = dv;
-      Error e;
-      for (size_t i = 0; i < dq.size(); ++i) e.add(to_float(dq[i], c.dtype), to_float(ref_dq[i], c.dtype));
-      for (size_t i = 0; i < dk.size(); ++i) e.add(to_float(dk[i], c.dtype), to_float(ref_dk[i], c.dtype));
-      for (size_t i = 0; i < dv.size(); ++i) e.add(to_float(dv[i], c.dtype), to_float(ref_dv[i], c.dtype));
-      const double ms = median_ms([&] { CUDA_CHECK(launch(ba, d.workspace(), false, 0)); }, 3, 10);
-      std::printf("  %-28s %7.1f TFLOP/s (bwd = 2.5x fwd)  %.3f ms  max |diff| vs default %.1e  nonfinite %zu\n",
-                  name, 2.5 * flops / ms * 1e-9, ms, e.max_abs, e.bad);
-    }
-    ref_dq.clear();
+  const auto status = [&](const SpotErrors& e, const char* which) {
+    static char buf[160];
+    std::snprintf(buf, sizeof buf, "%s %s", which, spot_ok(e, p.c.dtype) ? "ok" : "FAIL");
+    if (!spot_ok(e, p.c.dtype)) ++failures;
+    return buf;
+  };
+  for (const auto& [name, launch_ref] : forwards) {
+    const F launch = launch_ref;
+    const double ms = median_ms([&] { CUDA_CHECK(launch(fa, 0)); }, 3, 20);
+    d.out.poison(), d.lse.poison();
+    CUDA_CHECK(launch(fa, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const SpotErrors e = spot_check(p, d, rng, true, false);
+    std::printf("    %-34s fwd %7.1f TFLOP/s %8.3f ms  out %.1e lse %.1e %s\n", name,
+                flops / ms * 1e-9, ms, e.out.max_abs, e.lse.max_abs, status(e, "check"));
   }
+  CUDA_CHECK(launch_v2_forward(fa, 0));  // the default's out / lse feed the backward variants
+  for (const auto& [name, launch_ref] : backwards) {
+    const Bw launch = launch_ref;
+    const double bwd_ms = median_ms([&] { CUDA_CHECK(launch(ba, d.workspace(), false, 0)); }, 2, 10);
+    const double both_ms = median_ms(
+        [&] {
+          CUDA_CHECK(launch_v2_forward(fa, 0));
+          CUDA_CHECK(launch(ba, d.workspace(), false, 0));
+        },
+        1, 10);
+    d.dq.poison(), d.dk.poison(), d.dv.poison();
+    CUDA_CHECK(launch(ba, d.workspace(), false, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const SpotErrors e = spot_check(p, d, rng, false, true);
+    std::printf("    %-34s bwd %7.1f TFLOP/s %8.3f ms  fwd+bwd %7.1f  dq %.1e dk %.1e dv %.1e %s\n",
+                name, 2.5 * flops / bwd_ms * 1e-9, bwd_ms, 3.5 * flops / both_ms * 1e-9,
+                e.dq.max_abs, e.dk.max_abs, e.dv.max_abs, status(e, "check"));
+  }
+  std::fflush(stdout);
 }
 #endif
 
@@ -759,13 +782,13 @@ int main(int argc, char** argv) {
     profile_once(rng);
   } else if (run_tune) {
 #ifdef JAX_FLASH_TUNE
-    tune(rng);
+    bench(rng, true);
 #else
     std::fprintf(stderr, "--tune needs a -DJAX_FLASH_TUNE build\n");
     return 2;
 #endif
   } else if (run_bench) {
-    bench(rng);
+    bench(rng, false);
   } else {
     const auto start = std::chrono::steady_clock::now();
     for (const Case& c : quick ? quick_cases() : all_cases()) check_case(c, rng, true);
