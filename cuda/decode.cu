@@ -231,11 +231,22 @@ struct SplitKv {
   __device__ void load_rows_one_by_one(const RowStream& st, int first, int end,
                                        int stage) const {
     constexpr int kRowStep = kThreads / kChunks;
+    constexpr int kRowsPerThread = kBlockKeys / kRowStep;
     const int c = tid % kChunks;
     Elem* sk = k_tile(stage);
     Elem* sv = v_tile(stage);
+    // Every page-table read of the tile is issued before the first copy needs one: one table
+    // round trip per tile, not one per row.
+    int pages[kRowsPerThread];
+    if constexpr (kPaged) {
 #pragma unroll
-    for (int i = 0; i < kBlockKeys / kRowStep; ++i) {
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        const int pos = first + tid / kChunks + i * kRowStep;
+        pages[i] = pos < end && pos < seq.cache_len ? __ldg(st.pages + (pos >> a.page_size_log2)) : 0;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
       const int r = tid / kChunks + i * kRowStep;
       const int pos = first + r;
       bool live = pos < end;
@@ -247,7 +258,7 @@ struct SplitKv {
         v_src = st.v_new;
         row = pos - seq.cache_len;
       } else if constexpr (kPaged) {
-        const int page = live ? __ldg(st.pages + (pos >> a.page_size_log2)) : 0;
+        const int page = pages[i];
         live = live && page >= 0 && page < a.num_pages;
         row = (page << a.page_size_log2) | (pos & ((1 << a.page_size_log2) - 1));
       }
@@ -768,13 +779,23 @@ cudaError_t DecodeAutoSplits(const DecodeArgs& a, int64_t max_keys, int max_spli
       err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, V::split_kv, kThreads,
                                                           V::kSmemBytes);
     if (err != cudaSuccess) return err;
-    // One wave that fills every block slot of the chip: decode is bandwidth-bound and a block
-    // streams at a bounded rate, so the chip needs all its slots busy; a second partial wave
-    // would leave slots idle at the end.
+    // Measured on the H200 (docs/perf-notes.md, decode 2026-11-30): one block per
+    // multiprocessor (16 splits at B=1, 2 at B=8, K=8) is 1-10% faster than one wave that fills
+    // both block slots of each (33 / 4 splits): half the partials to write and merge, and the
+    // 64 KB one block keeps in flight suffice. A wave that leaves multiprocessors idle is slower
+    // (3 splits at B=8: +10%), so below 90% of them busy the split count fills every slot. Pages
+    // under 64 rows are loaded row by row (a table read per row), which one block per
+    // multiprocessor does not hide (page 16: +35-50%): they keep the every-slot wave, where
+    // they cost 2-3% over the contiguous cache.
     const int64_t heads = int64_t(a.batch) * a.num_kv_heads * V::row_blocks(a);
     const int64_t slots = int64_t(sms) * blocks_per_sm;
     const int64_t tiles = (max_keys + kBlockKeys - 1) / kBlockKeys;
-    int64_t n = slots / heads;
+    const bool rows_one_by_one =
+        a.block_table != nullptr && (int64_t(1) << a.page_size_log2) < kBlockKeys;
+    const int64_t per_sm = sms / heads;
+    int64_t n = !rows_one_by_one && per_sm > 0 && heads * per_sm * 10 >= int64_t(sms) * 9
+                    ? per_sm
+                    : slots / heads;
     n = std::min<int64_t>(n, tiles / kMinTilesPerSplit);
     n = std::min<int64_t>(n, max_splits);
     *splits = int(std::max<int64_t>(n, 1));

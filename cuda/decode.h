@@ -87,9 +87,10 @@ constexpr int kDecodeMaxRowsPerBlock = 64;
 // Arrival counters one launch needs (zeroed by LaunchDecode itself).
 int64_t DecodeCounterCount(const DecodeArgs& args);
 
-// The split count for `args` (its num_splits ignored): enough splits that one wave of blocks
-// fills every block slot of the current device (multiprocessors x resident blocks of this
-// kernel), no split shorter than 4 key tiles of 64, at most max_splits. `max_keys` bounds the
+// The split count for `args` (its num_splits ignored): one block per multiprocessor of the
+// current device when that keeps at least 90% of them busy (not for pages under 64 rows), else
+// enough splits that one wave fills every block slot (multiprocessors x resident blocks of this
+// kernel); no split shorter than 4 key tiles of 64, at most max_splits. `max_keys` bounds the
 // key range of a sequence (capacity, plus T when appending).
 cudaError_t DecodeAutoSplits(const DecodeArgs& args, int64_t max_keys, int max_splits,
                              int* splits);

@@ -4,9 +4,10 @@ Forward: one thread block per (sequence, kv head, split of the key range); the b
 query rows that read its kv head (T x N/K, up to 64) in one tile, so every K/V byte is read once,
 streams its keys through a cp.async ring, and the last block of each (sequence, kv head) to finish
 merges the splits' partial (out, logsumexp) with the logsumexp identity. The split count is picked
-on the device side so that one wave of blocks fills the GPU (DecodeAutoSplits), at most the
-workspace's first dimension. It implements the standard convention (top-left causal, sequence
-lengths, sliding windows, softcap), without bias or mask tensors.
+on the device side (DecodeAutoSplits): one block per multiprocessor when that keeps 90% of them
+busy, else one wave that fills every block slot; at most the workspace's first dimension. It
+implements the standard convention (top-left causal, sequence lengths, sliding windows, softcap),
+without bias or mask tensors.
 
 Backward: v2's (cuda/backward.cu). The forward's out and lse follow the convention, so the
 FlashAttention-2 backward consumes them unchanged.
