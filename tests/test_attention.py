@@ -352,7 +352,7 @@ def test_v3_routes_head_dim_256_gradients_to_the_v2_backward():
 
 @pytest.mark.parametrize("schedule,head_dim,repeatable", [
     ("cpu", 64, True), ("v1", 64, True), ("v2", 64, False), ("v3", 128, True),
-    ("v3", 256, False), ("decode", 64, False)])
+    ("v3", 256, False), ("decode", 64, True), ("decode", 256, False)])
 def test_deterministic_calls_go_only_to_repeatable_backwards(schedule, head_dim, repeatable):
   from jax_flash._config import AttentionConfig, AttentionShape
   shape = AttentionShape(1, 1, 64, 2, 1, head_dim)

@@ -9,8 +9,9 @@ busy, else one wave that fills every block slot; at most the workspace's first d
 implements the standard convention (top-left causal, sequence lengths, sliding windows, softcap),
 without bias or mask tensors.
 
-Backward: v2's (cuda/backward.cu). The forward's out and lse follow the convention, so the
-FlashAttention-2 backward consumes them unchanged.
+Backward: v3's (cuda/v3_bwd_sm90.cu), and v2's (cuda/backward.cu) for head dim 256, as under
+the v3 schedule. The forward's out and lse follow the convention, so either backward consumes
+them unchanged.
 
 Envelope: bfloat16 / float16, head dim 64, 128 or 256 (exactly: padding would copy the whole
 cache), T * N / K <= 64 query rows per kv head, no bias or mask; compute capability 9.0 (the
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash._config import AttentionConfig, AttentionShape
-from jax_flash.schedules import v2
+from jax_flash.schedules import v2, v3
 from jax_flash.schedules.base import HOPPER, Schedule, register
 
 HEAD_DIMS = (64, 128, 256)
@@ -93,10 +94,13 @@ def forward_workspaces(shape: AttentionShape, dtype):
 DECODE = register(Schedule(
     name="decode",
     description="split-KV Flash-Decoding for short queries: GQA rows packed per kv head, "
-                "splits merged in-kernel (backward: v2's)",
+                "splits merged in-kernel (backward: v3's; head dim 256: v2's)",
     platform="gpu",
     forward_target="jax_flash_decode_fwd",
-    backward_target=v2.V2.backward_target,
+    backward_target=v3.V3.backward_target,
+    backward_check=v3.backward_check,
+    backward_fallback=v2.V2,
+    backward_determinism=v3.V3.backward_determinism,
     dtypes=frozenset({"bfloat16", "float16"}),
     max_head_dim=max(HEAD_DIMS),
     head_dim_multiple=1,
@@ -105,6 +109,6 @@ DECODE = register(Schedule(
     supports_softcap=True,
     compute_capabilities=HOPPER,
     forward_workspaces=forward_workspaces,
-    backward_workspaces=v2.V2.backward_workspaces,
+    backward_workspaces=v3.backward_workspaces,
     extra_check=envelope,
 ))

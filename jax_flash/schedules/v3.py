@@ -38,7 +38,8 @@ def _envelope(shape: AttentionShape, config: AttentionConfig) -> str | None:
   return None
 
 
-def _backward_check(shape: AttentionShape, config: AttentionConfig) -> str | None:
+def backward_check(shape: AttentionShape, config: AttentionConfig) -> str | None:
+  """Why the v3 backward kernel cannot take these gradients (None when it can)."""
   del config
   if shape.head_dim not in BACKWARD_HEAD_DIMS:
     return f"the v3 backward takes head dims {BACKWARD_HEAD_DIMS}; got {shape.head_dim}"
@@ -66,7 +67,7 @@ V3 = register(Schedule(
     forward_target="jax_flash_v3_fwd",
     backward_target="jax_flash_v3_bwd",
     backward_workspaces=backward_workspaces,
-    backward_check=_backward_check,
+    backward_check=backward_check,
     backward_fallback=v2.V2,
     backward_determinism="on_request",
     dtypes=frozenset({"bfloat16", "float16"}),
