@@ -1,35 +1,20 @@
 // v3 backward: the Hopper (sm_90a) FlashAttention backward (FlashAttention-3 style).
 //
-// STATUS (2026-11-30): written and compiled only; it has NOT run on a GPU yet. The schedule
-// keeps using the v2 backward (cuda/backward.cu) until tests/gpu/harness_v3_bwd.cu passes on
-// the H200 (commands in docs/perf-notes-v3.md, section "v3 backward").
-//
-// How it will be wired (next session; nothing of this exists yet):
-//   * FFI target "jax_flash_v3_bwd" (xla_ffi/gpu_v3.cc or wherever V3Forward is registered),
-//     inputs and attributes exactly as in docs/architecture.md's backward convention, plus one
-//     attribute `deterministic` (bool) if the schedule exposes it.
-//   * outputs: dq, dk, dv, dbias-dummy f32[1,1,1,1], then four workspaces, in this order and
-//     with the sizes of V3BackwardWorkspaceSizes(shape, deterministic) (cuda/v3.h):
-//       dq_accum     f32 [dq_accum / 4]      (layout private to this file, see DqAccum)
-//       dsum         f32 [B, N, T_pad]       (T_pad = T rounded up to 128)
-//       lse_log2     f32 [B, N, T_pad]
-//       dq_semaphore s32 [max(1, ...)]       (used only in deterministic mode; pass it always,
-//                                             size 1 when not deterministic)
-//     The handler fills V3BackwardWorkspace from those four output buffers and calls
-//     V3Backward(args, workspace, deterministic, stream). Nothing needs zeroing by the caller:
-//     the preprocessing kernel clears dq_accum and the semaphores.
-//   * jax_flash/schedules/v3.py: bwd_target = "jax_flash_v3_bwd", four extra backward
-//     workspace outputs with the shapes above; calls with bias / mask / head dim 256 / f32 keep
-//     going to the v2 backward (V3BackwardUnsupportedReason says why).
+// STATUS (2026-11-30): runs on the H200 (tests/gpu/harness_v3_bwd.cu: float64 check, memcheck,
+// benchmark; numbers in docs/perf-notes-v3.md, section "v3 backward") and is wired as the FFI
+// target "jax_flash_v3_bwd" (xla_ffi/gpu_v3.cc, jax_flash/schedules/v3.py): outputs dq, dk,
+// dv, then the four workspaces of V3BackwardWorkspaceSizes (cuda/v3.h), none of which the
+// caller needs to clear (preprocess clears dq_accum and the semaphores).
 //
 // Kernels, in stream order:
-//   1. preprocess (one CTA per 64 query rows of a (batch, head)): D = rowsum(dO * O),
-//      lse_log2 = lse * log2(e) (+inf for rows with no kept key and for the padding rows, so
-//      that P = exp2(.. - lse_log2) = 0 there), dq_accum and the semaphores cleared.
+//   1. preprocess (one CTA per 64 query rows of a (batch, head), 16-byte loads):
+//      D = rowsum(dO * O), lse_log2 = lse * log2(e) (+inf for rows with no kept key and for
+//      the padding rows, so that P = exp2(.. - lse_log2) = 0 there), dq_accum and the
+//      semaphores cleared.
 //   2. main (one CTA per (key block of 128 keys, kv head, batch)), warp-specialized:
 //        warpgroup 0: producer. One thread loads K and V of the key block once (TMA), then for
 //          every (query head of the group, query block) a Q tile, a dO tile (TMA) and the
-//          block's lse_log2 and D rows (1-D bulk copies) into a 2-stage ring with full / empty
+//          block's lse_log2 and D rows (1-D bulk copies) into a 3-stage ring with full / empty
 //          mbarriers.
 //        warpgroups 1, 2: consumers; warpgroup w owns keys [64 w, 64 w + 64) of the block and
 //          keeps dK and dV of those keys in registers over the whole loop. Per query block:
@@ -39,17 +24,23 @@
 //                   computed while the dP^T GEMM still runs
 //            dS^T = P^T * (dP^T - D)   (softcap: times 1 - tanh^2)
 //            dV  += P^T dO             wgmma RS: P^T from registers (the accumulator layout of
-//            dK  += dS^T Q             S^T is the A-fragment layout), dO / Q MN-major in smem
-//            dS^T -> shared memory (128-byte swizzle, keys as rows), both warpgroups sync, then
+//                                      S^T is the A-fragment layout), dO MN-major in smem
+//            dS^T -> shared memory (stmatrix, 128-byte swizzle, keys as rows; two buffers
+//            alternating by step), one named barrier of both consumer warpgroups, then
 //            dQ tile = dS K            wgmma SS, dS MN-major, K MN-major; each warpgroup one
 //                                      64 x 64 tile of the block's dQ
-//            dQ tile added into the fp32 dq_accum with red.global.add.v4.f32 (one 512-byte
-//            line per warp instruction: the accumulator is stored in fragment order).
-//        Deterministic mode: the dQ adds of a (batch, head, query block) are serialized in key
-//        block order by a semaphore per block (each element gets its partials added in the same
-//        order every run); dK / dV are always deterministic (one CTA owns them).
+//            dK  += dS^T Q             wgmma SS, dS^T K-major (its own 64 rows), Q MN-major
+//            wait for dV and dQ only; the dQ tile is added into the fp32 dq_accum with
+//            red.global.add.v4.f32 (one 512-byte line per warp instruction: the accumulator
+//            is stored in fragment order) while dK and then the next step's S^T / dP^T run, so
+//            the tensor-core queue does not drain between steps (see run_consumer).
+//        Deterministic mode: the dQ adds of a (batch, head, query block) are serialized in
+//        descending key block order by a semaphore per block (each element gets its partials
+//        added in the same order every run; see dq_turn); dK / dV are always deterministic
+//        (one CTA owns them).
 //        Epilogue: dK = scale * dK, dV stored from registers (4-byte stores).
-//   3. postprocess (one CTA per 64 query rows of a (batch, head)): dq = scale * dq_accum.
+//   3. postprocess (one CTA per 64 query rows of a (batch, head)): dq = scale * dq_accum,
+//      transposed through shared memory into 16-byte stores of whole rows.
 //
 // GQA: the CTA of a kv head loops over the query heads of its group, so dK / dV are summed in
 // registers with no extra pass. Head dims 64 (kBlockM = 128) and 128 (kBlockM = 64); 256 does
@@ -91,7 +82,9 @@ struct BwdConfig {
   static constexpr int kBlockN = 128;       // keys per CTA, 64 per consumer warpgroup
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
-  static constexpr int kStages = 2;
+  // Three stages: a stage is released only once the next step's S^T GEMM has completed (the
+  // previous step's dK GEMM, which reads Q, is still in flight at the end of its step).
+  static constexpr int kStages = 3;
   static constexpr int kProducerRegisters = 24;
   // 240 made ptxas spill 8 bytes in the consumer (nvcc 13.0); 232 compiles without spills.
   static constexpr int kConsumerRegisters = 232;
@@ -112,8 +105,8 @@ struct BwdConfig {
   static constexpr int kQOffset = kVOffset + kKVBytes;
   static constexpr int kDoOffset = kQOffset + kStages * kQBytes;
   static constexpr int kDsOffset = kDoOffset + kStages * kQBytes;
-  static constexpr int kDsBytes = kBlockN * kBlockM * 2;
-  static constexpr int kLseOffset = kDsOffset + kDsBytes;
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // one of the two dS^T buffers
+  static constexpr int kLseOffset = kDsOffset + 2 * kDsBytes;
   static constexpr int kDsumOffset = kLseOffset + kStages * kRowStatBytes;
   static constexpr int kBarrierOffset = kDsumOffset + kStages * kRowStatBytes;
   static constexpr int kBarrierBytes = 8 * (1 + 3 * kStages);
@@ -178,7 +171,9 @@ struct KeyBlock {
 template <class Cfg>
 __device__ KeyBlock key_block_of(const BwdParams& p) {
   KeyBlock kb;
-  kb.n_block = blockIdx.x;
+  // Deterministic mode dispatches the key blocks in descending order: a key block waits only
+  // for higher ones (dq_turn), which then are already resident or done.
+  kb.n_block = p.dq_semaphore != nullptr ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   kb.kv_head = blockIdx.y;
   kb.batch = blockIdx.z;
   kb.q_rows = p.q_seqlens ? max(0, min(p.q_seqlens[kb.batch], p.q_len)) : p.q_len;
@@ -202,11 +197,19 @@ __device__ __forceinline__ Step step_of(const BwdParams& p, const KeyBlock& kb, 
 }
 
 // Deterministic mode: the number of key blocks that add into query block m before key block
-// n (the key blocks touching m form a contiguous range starting at first_key_block).
+// n. The key blocks touching m form a contiguous range and add in descending order, from the
+// last one (the highest key block whose first query block is at most m and that holds a key).
+// Under causal masking block n reaches m exactly (kBlockM / kBlockN or more) steps after block
+// n + 1 did, so the turns pipeline without waiting; in ascending order every key block waited
+// for the previous one's second step, serializing the key blocks of a head.
 template <class Cfg>
-__device__ __forceinline__ int dq_turn(const BwdParams& p, int m_block, int n_block) {
-  const int col_lo = p.window_left >= 0 ? max(0, m_block * Cfg::kBlockM - p.window_left) : 0;
-  return n_block - col_lo / Cfg::kBlockN;
+__device__ __forceinline__ int dq_turn(const BwdParams& p, const KeyBlock& kb, int m_block) {
+  int last = (kb.kv_cols - 1) / Cfg::kBlockN;
+  if (p.window_right >= 0) {
+    const int row_hi = min(m_block * Cfg::kBlockM + Cfg::kBlockM - 1, kb.q_rows - 1);
+    last = min(last, (row_hi + p.window_right) / Cfg::kBlockN);
+  }
+  return last - kb.n_block;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -267,14 +270,59 @@ __device__ __forceinline__ void issue_keys_by_queries(uint32_t x_rows, uint32_t 
   gemm_ss_kmajor<Op, Cfg::kHeadDim>(x_rows, Cfg::kBlockN * 128, y_tile, Cfg::kBlockM * 128, acc);
 }
 
-// acc += A Y with A (64 keys x kBlockM queries) in registers and Y the dO or Q tile MN-major:
-// dV += P^T dO, dK += dS^T Q.
+template <class Op, int N, size_t... I>
+__device__ __forceinline__ void gmma_rs_scaled(const uint32_t (&a)[4], uint64_t b, float (&d)[N],
+                                               gmma::ScaleOut scale_d, std::index_sequence<I...>) {
+  Op::fma(a[0], a[1], a[2], a[3], b, d[I]..., scale_d);
+}
+
+// dV (+)= P^T dO with P^T (64 keys x kBlockM queries) in registers and dO MN-major in shared
+// memory; `first` (the CTA's first step) overwrites instead of adding. dK and dV start that
+// way rather than from zeroing moves: a register move into an accumulator of a loop whose dK
+// GEMM stays in flight across the back edge made ptxas serialize every wgmma (C7515).
 template <class Cfg>
-__device__ __forceinline__ void issue_key_gradient(const uint32_t (&a)[Cfg::kBlockM / 16][4],
-                                                   uint32_t y_tile,
-                                                   float (&acc)[Cfg::kHeadDim / 2]) {
+__device__ __forceinline__ void issue_dv(const uint32_t (&a)[Cfg::kBlockM / 16][4],
+                                         uint32_t do_tile, float (&acc)[Cfg::kHeadDim / 2],
+                                         bool first) {
   using Op = typename Gmma<typename Cfg::Element, Cfg::kHeadDim>::RS;
-  gemm_rs_mnmajor<Op>(a, y_tile, Cfg::kBlockM * 128, acc);
+  constexpr auto idx = std::make_index_sequence<Cfg::kHeadDim / 2>{};
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk) {
+    const uint64_t b = mnmajor_descriptor(do_tile + kk * 16 * 128, Cfg::kBlockM * 128);
+    gmma_rs_scaled<Op>(a[kk], b, acc,
+                       first && kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
+  }
+}
+
+// dK += dS^T Q with both operands in shared memory: dS^T (this warpgroup's 64 key rows at
+// ds_rows, queries along K: K-major) and Q (MN-major). Reading dS^T back from shared memory
+// instead of registers lets the dS^T fragments die before the next step's S^T and dP^T
+// accumulators are live; with them held over, ptxas serialized the wgmmas (C7511).
+template <typename Element, int N>
+struct GmmaKMN;
+#define JAX_FLASH_V3_BWD_GMMA_KMN(ELEMENT, TAG, N)                                       \
+  template <>                                                                            \
+  struct GmmaKMN<ELEMENT, N> {                                                           \
+    using SS = gmma::MMA_64x##N##x16_F32##TAG##TAG##_SS<gmma::Major::K, gmma::Major::MN>; \
+  };
+JAX_FLASH_V3_BWD_GMMA_KMN(__nv_bfloat16, BF16, 64)
+JAX_FLASH_V3_BWD_GMMA_KMN(__nv_bfloat16, BF16, 128)
+JAX_FLASH_V3_BWD_GMMA_KMN(__half, F16, 64)
+JAX_FLASH_V3_BWD_GMMA_KMN(__half, F16, 128)
+#undef JAX_FLASH_V3_BWD_GMMA_KMN
+
+template <class Cfg>
+__device__ __forceinline__ void issue_dk(uint32_t ds_rows, uint32_t q_tile,
+                                         float (&acc)[Cfg::kHeadDim / 2], bool first) {
+  using Op = typename GmmaKMN<typename Cfg::Element, Cfg::kHeadDim>::SS;
+  constexpr auto idx = std::make_index_sequence<Cfg::kHeadDim / 2>{};
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk) {
+    const uint64_t a =
+        kmajor_descriptor(ds_rows + (kk / 4) * Cfg::kBlockN * 128 + (kk % 4) * 32);
+    const uint64_t b = mnmajor_descriptor(q_tile + kk * 16 * 128, Cfg::kBlockM * 128);
+    gmma_ss<Op>(a, b, acc, first && kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
+  }
 }
 
 // The m64n64k16 product with both operands MN-major in shared memory (dQ = dS K).
@@ -338,15 +386,18 @@ struct KeptQueries {
   }
 };
 
-// Row statistics of the step's query block in shared memory, read as pairs of columns.
-__device__ __forceinline__ float2 load_pair(const float* stats, int column) {
-  return *reinterpret_cast<const float2*>(stats + column);
+// Row statistics of the step's query block in shared memory (32-bit shared addresses: a
+// generic pointer held two registers more, and H = 64 spilled), read as pairs of columns.
+__device__ __forceinline__ float2 load_pair(uint32_t stats, int column) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(stats + 4 * column));
+  return v;
 }
 
 // s (S^T) -> P^T in place, without softcap. Runs while the dP^T GEMM is in flight.
 template <class Cfg>
 __device__ __forceinline__ void probabilities(float (&s)[Cfg::kBlockM / 2], const BwdParams& p,
-                                              const KeptQueries& kept, const float* lse,
+                                              const KeptQueries& kept, uint32_t lse,
                                               int query0, int col0) {
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
@@ -355,7 +406,8 @@ __device__ __forceinline__ void probabilities(float (&s)[Cfg::kBlockM / 2], cons
     for (int e = 0; e < 4; ++e) {
       const int i = 4 * j + e, r = e / 2;
       const float x = fmaf(s[i], p.scale_log2, -(e % 2 ? l.y : l.x));
-      s[i] = kept.keeps(r, query0 + 8 * j + e % 2) ? exp2_mufu(x) : 0.f;
+      const float prob = exp2_mufu(x);  // unconditionally: a branch here defined s[i] twice
+      s[i] = kept.keeps(r, query0 + 8 * j + e % 2) ? prob : 0.f;
     }
   }
 }
@@ -363,7 +415,7 @@ __device__ __forceinline__ void probabilities(float (&s)[Cfg::kBlockM / 2], cons
 // dp (dP^T) -> dS^T = P^T (dP^T - D) in place, P^T already in s.
 template <class Cfg>
 __device__ __forceinline__ void score_gradients(const float (&s)[Cfg::kBlockM / 2],
-                                                float (&dp)[Cfg::kBlockM / 2], const float* dsum,
+                                                float (&dp)[Cfg::kBlockM / 2], uint32_t dsum,
                                                 int col0) {
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
@@ -380,7 +432,7 @@ __device__ __forceinline__ void score_gradients(const float (&s)[Cfg::kBlockM / 
 template <class Cfg>
 __device__ __forceinline__ void capped_probabilities_and_gradients(
     float (&s)[Cfg::kBlockM / 2], float (&dp)[Cfg::kBlockM / 2], const BwdParams& p,
-    const KeptQueries& kept, const float* lse, const float* dsum, int query0, int col0) {
+    const KeptQueries& kept, uint32_t lse, uint32_t dsum, int query0, int col0) {
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
     const float2 l = load_pair(lse, 8 * j + col0);
@@ -398,29 +450,43 @@ __device__ __forceinline__ void capped_probabilities_and_gradients(
 }
 
 // dS^T fragments -> shared memory, keys as rows, queries in 64-column slabs of 128-byte rows
-// (the 128-byte swizzle: 16-byte chunk c of row r lands at chunk c ^ (r % 8)). Each thread
-// writes its pairs of columns; a warp's 8 rows x 16 bytes hit 32 distinct banks.
+// (the 128-byte swizzle: 16-byte chunk c of row r lands at chunk c ^ (r % 8)). One stmatrix.x4
+// per 16 columns: fragment register j is the 8 x 8 matrix of rows + 8 (j % 2), columns
+// + 8 (j / 2), and lane l gives the address of row l % 8 of matrix l / 8; each matrix's 8 rows
+// land in 8 distinct 16-byte bank groups.
 template <class Cfg>
-__device__ __forceinline__ void store_score_gradients(uint8_t* ds_tile, int key_row0, int col0,
+__device__ __forceinline__ void store_score_gradients(uint32_t ds_tile, int warp_row0,
+                                                      int lane_in_warp,
                                                       const uint32_t (&a)[Cfg::kBlockM / 16][4]) {
+  const int matrix = lane_in_warp / 8;
+  const int row = warp_row0 + 8 * (matrix % 2) + lane_in_warp % 8;
 #pragma unroll
-  for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      // a[kk][j] holds row key_row0 + 8 (j % 2), columns 16 kk + 8 (j / 2) + col0 (+1).
-      const int row = key_row0 + 8 * (j % 2);
-      const int column = 16 * kk + 8 * (j / 2) + col0;
-      const int slab = column / 64, chunk = (column % 64) / 8;
-      uint8_t* dst = ds_tile + slab * Cfg::kBlockN * 128 + row * 128 +
-                     ((chunk ^ (row % 8)) * 16) + (column % 8) * 2;
-      *reinterpret_cast<uint32_t*>(dst) = a[kk][j];
-    }
+  for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk) {
+    const int column = 16 * kk + 8 * (matrix / 2);
+    const int slab = column / 64, chunk = (column % 64) / 8;
+    const uint32_t dst =
+        ds_tile + slab * Cfg::kBlockN * 128 + row * 128 + ((chunk ^ (row % 8)) * 16);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(dst),
+                 "r"(a[kk][0]), "r"(a[kk][1]), "r"(a[kk][2]), "r"(a[kk][3])
+                 : "memory");
+  }
 }
 
 __device__ __forceinline__ void red_add_v4(float* address, float a, float b, float c, float d) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(address), "f"(a), "f"(b),
                "f"(c), "f"(d)
                : "memory");
+}
+
+// Gives each element of a new accumulator chain its own register with no instruction: the
+// chain's first wgmma (scale-d = 0) still names the registers as inputs, and left undefined
+// the compiler passed registers of accumulators still in flight (moving them aside with movs
+// between wgmmas), so ptxas serialized the wgmmas (C7511); zeroing them serialized too (C7515:
+// a non-wgmma instruction defining accumulator registers while wgmmas are in flight).
+template <int N>
+__device__ __forceinline__ void fresh_accumulator(float (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "=f"(x[i]));
 }
 
 template <int N>
@@ -430,9 +496,8 @@ __device__ __forceinline__ void zero(float (&x)[N]) {
 }
 
 // Named barrier ids (0 is __syncthreads): the two consumer warpgroups (256 threads).
-constexpr int kDsFreeBarrier = 1;   // both warpgroups' dQ GEMMs of the last step are done
-constexpr int kDsReadyBarrier = 2;  // both warpgroups' dS of this step are in shared memory
-constexpr int kDqOrderBarrier = 3;  // deterministic mode: this block's turn to add dQ
+constexpr int kDsReadyBarrier = 1;  // both warpgroups' dS of this step are in shared memory
+constexpr int kDqOrderBarrier = 2;  // deterministic mode: this block's turn to add dQ
 constexpr int kConsumerThreads = 256;
 
 __device__ __forceinline__ int load_acquire(const int* address) {
@@ -456,7 +521,7 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, c
                 (int64_t(kb.batch) * p.num_heads + st.head) * (p.q_len_padded / kDqTileRows) +
                 st.m_block * Cfg::kDqRowTiles;
     if (warpgroup == 0 && thread == 0) {
-      const int turn = dq_turn<Cfg>(p, st.m_block, kb.n_block);
+      const int turn = dq_turn<Cfg>(p, kb, st.m_block);
       while (load_acquire(semaphore) != turn) {
       }
     }
@@ -496,9 +561,18 @@ __device__ __forceinline__ void store_key_gradient(const BwdParams& p, void* dst
   }
 }
 
+// One step per (query head, query block); per step the tensor-core queue holds, in order:
+//   S^T, dP^T | dV (RS, P^T) | dQ (SS, both warpgroups' dS^T) | dK (RS, dS^T)
+// The step ends by waiting for dV and dQ only (wait_group 1) and adding dQ, so the next step's
+// S^T and dP^T are issued while dK still runs: the queue never drains between steps. The dK
+// of step i (dS^T and Q from shared memory) completes before step i + 1's S^T, which is where
+// the stage is released. dS^T alternates
+// between two shared buffers: buffer i % 2 was last read by step i - 2's dQ GEMMs, which both
+// warpgroups had completed before passing step i - 1's ready barrier, so one barrier per step
+// suffices.
 template <class Cfg>
 __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t smem,
-                             uint8_t* smem_ptr, const BwdBarriers& bars, int warpgroup) {
+                             const BwdBarriers& bars, int warpgroup) {
   const int thread = threadIdx.x % 128;
   const bool warp_leader = thread % 32 == 0;
   const Lane lane = Lane::of(thread);
@@ -506,28 +580,27 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   const int key0 = key_lo + lane.row0;
   const uint32_t k_tile = smem + Cfg::kKOffset, v_tile = smem + Cfg::kVOffset;
   const uint32_t k_rows = k_tile + warpgroup * 64 * 128, v_rows = v_tile + warpgroup * 64 * 128;
-  const uint32_t ds_tile = smem + Cfg::kDsOffset;
   const int dq_row_tile = warpgroup % Cfg::kDqRowTiles, dq_slab = warpgroup / Cfg::kDqRowTiles;
 
-  float dk[Cfg::kHeadDim / 2], dv[Cfg::kHeadDim / 2];
-  zero(dk);
-  zero(dv);
+  float dk[Cfg::kHeadDim / 2], dv[Cfg::kHeadDim / 2];  // set by the first step (issue_dv)
   if (kb.steps > 0) mbarrier_wait(bars.kv_full, 0);
+  // The ring position of the step and of the one before (counters: no division by 3).
+  int stage = 0, last_stage = Cfg::kStages - 1;
+  uint32_t phase = 0;
   for (int it = 0; it < kb.steps; ++it) {
     const Step st = step_of(p, kb, it);
-    const int stage = it % Cfg::kStages;
-    const uint32_t phase = (it / Cfg::kStages) & 1;
     const uint32_t q_tile = smem + Cfg::kQOffset + stage * Cfg::kQBytes;
     const uint32_t do_tile = smem + Cfg::kDoOffset + stage * Cfg::kQBytes;
-    const float* lse =
-        reinterpret_cast<const float*>(smem_ptr + Cfg::kLseOffset + stage * Cfg::kRowStatBytes);
-    const float* dsum =
-        reinterpret_cast<const float*>(smem_ptr + Cfg::kDsumOffset + stage * Cfg::kRowStatBytes);
+    const uint32_t ds_tile = smem + Cfg::kDsOffset + (it % 2) * Cfg::kDsBytes;
+    const uint32_t lse = smem + Cfg::kLseOffset + stage * Cfg::kRowStatBytes;
+    const uint32_t dsum = smem + Cfg::kDsumOffset + stage * Cfg::kRowStatBytes;
     const int query_lo = st.m_block * Cfg::kBlockM;
     const KeptQueries kept = KeptQueries::of<Cfg>(p, kb, key_lo, key0, query_lo);
     const int query0 = query_lo + lane.col0;
 
     float s[Cfg::kBlockM / 2], dp[Cfg::kBlockM / 2];
+    fresh_accumulator(s);
+    fresh_accumulator(dp);
     mbarrier_wait(bars.q_full + 8 * stage, phase);
     wgmma_fence();
     issue_keys_by_queries<Cfg>(k_rows, q_tile, s);
@@ -535,8 +608,10 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     mbarrier_wait(bars.do_full + 8 * stage, phase);
     issue_keys_by_queries<Cfg>(v_rows, do_tile, dp);
     wgmma_commit();
-    wgmma_wait<1>();
+    wgmma_wait<1>();  // S^T, and with it the previous step's dK
     fence_registers(s);
+    fence_registers(dk);
+    if (it > 0 && warp_leader) mbarrier_arrive(bars.empty + 8 * last_stage);
     if (p.softcap == 0.f) probabilities<Cfg>(s, p, kept, lse, query0, lane.col0);
     wgmma_wait<0>();
     fence_registers(dp);
@@ -550,30 +625,37 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     accumulator_to_fragments<typename Cfg::Element>(s, pa);
     accumulator_to_fragments<typename Cfg::Element>(dp, dsa);
     wgmma_fence();
-    issue_key_gradient<Cfg>(pa, do_tile, dv);
-    issue_key_gradient<Cfg>(dsa, q_tile, dk);
+    issue_dv<Cfg>(pa, do_tile, dv, it == 0);
     wgmma_commit();
 
-    // dS^T to shared memory once both warpgroups' dQ GEMMs of the last step are done with it;
-    // the generic-proxy stores must be fenced before the tensor cores (async proxy) read them.
-    named_barrier_sync(kDsFreeBarrier, kConsumerThreads);
-    store_score_gradients<Cfg>(smem_ptr + Cfg::kDsOffset, 64 * warpgroup + lane.row0, lane.col0,
-                               dsa);
+    // The generic-proxy stores must be fenced before the tensor cores (async proxy) read them.
+    store_score_gradients<Cfg>(ds_tile, 64 * warpgroup + 16 * (thread / 32), thread % 32, dsa);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     named_barrier_sync(kDsReadyBarrier, kConsumerThreads);
 
     float dq[32];
-    wgmma_fence();
+    fresh_accumulator(dq);
+    wgmma_fence();  // dq was read by the last step's adds
     issue_dq<Cfg>(ds_tile, k_tile, dq_row_tile, dq_slab, dq);
     wgmma_commit();
-    wgmma_wait<0>();
+    issue_dk<Cfg>(ds_tile + warpgroup * 64 * 128, q_tile, dk, it == 0);
+    wgmma_commit();
+    wgmma_wait<1>();  // dV and dQ
     fence_registers(dv);
-    fence_registers(dk);
-    fence_registers(dq);
     fence_registers(pa);
-    fence_registers(dsa);
-    if (warp_leader) mbarrier_arrive(bars.empty + 8 * stage);
+    fence_registers(dq);
     add_dq<Cfg>(p, kb, st, warpgroup, thread, dq);
+    last_stage = stage;
+    if (++stage == Cfg::kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+  wgmma_wait<0>();
+  fence_registers(dk);
+  if (kb.steps == 0) {  // no query row keeps a key of this block: dK = dV = 0
+    zero(dk);
+    zero(dv);
   }
   store_key_gradient<Cfg>(p, p.dk, kb, key0, lane.col0, dk, p.scale);
   store_key_gradient<Cfg>(p, p.dv, kb, key0, lane.col0, dv, 1.f);
@@ -586,7 +668,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // TMA's 128-byte swizzle and the wgmma descriptors assume 1024-byte-aligned tiles.
   const uint32_t raw = smem_address(smem_raw);
   const uint32_t smem = (raw + 1023) & ~1023u;
-  uint8_t* smem_ptr = smem_raw + (smem - raw);
   const BwdBarriers bars = BwdBarriers::at<Cfg>(smem + Cfg::kBarrierOffset);
   constexpr uint32_t kEmptyArrivals = 4 * Cfg::kConsumerWarpgroups;  // one per consumer warp
   if (threadIdx.x == 0) {
@@ -607,7 +688,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (threadIdx.x == 0) run_producer<Cfg>(p, kb, smem, bars);
   } else {
     grow_registers<Cfg::kConsumerRegisters>();
-    run_consumer<Cfg>(p, kb, smem, smem_ptr, bars, warpgroup - 1);
+    run_consumer<Cfg>(p, kb, smem, bars, warpgroup - 1);
   }
 }
 
@@ -624,75 +705,118 @@ struct PrePostParams {
   float* dsum;
   float* lse_log2;
   int* dq_semaphore;  // null unless deterministic
-  int q_len, num_heads, head_dim, q_len_padded;
+  int q_len, num_heads, q_len_padded;
   float scale;
 };
 
-// One CTA (8 warps) per 64 padded query rows of a (batch, head): D and lse_log2 of the rows
-// (one warp per row), the rows' dq_accum tiles zeroed, their semaphores cleared.
 template <typename Element>
+__device__ __forceinline__ float2 unpack2(uint32_t bits);
+template <>
+__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t bits) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+}
+template <>
+__device__ __forceinline__ float2 unpack2<__half>(uint32_t bits) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+}
+
+// One CTA (256 threads) per 64 padded query rows of a (batch, head): D and lse_log2 of the rows,
+// the rows' dq_accum tiles zeroed, their semaphores cleared. kHeadDim / 8 threads per row, 16
+// bytes of O and dO each; all of a thread's loads are issued before the first reduction (the
+// previous one-warp-per-row loop had one 4-byte load per lane in flight).
+template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(256) v3_backward_preprocess_kernel(
     const __grid_constant__ PrePostParams p) {
+  constexpr int kLanesPerRow = kHeadDim / 8;
+  constexpr int kRowsPerPass = 256 / kLanesPerRow;
+  constexpr int kPasses = kDqTileRows / kRowsPerPass;
   const int row_tile = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int sub = threadIdx.x % kLanesPerRow, row_in_pass = threadIdx.x / kLanesPerRow;
   const int64_t batch_head = int64_t(batch) * p.num_heads + head;
   const int64_t stats = batch_head * p.q_len_padded;
-  for (int r = warp; r < kDqTileRows; r += 8) {
-    const int t = row_tile * kDqTileRows + r;
-    float sum = 0.f;
+  uint4 o[kPasses], d[kPasses];
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int t = row_tile * kDqTileRows + pass * kRowsPerPass + row_in_pass;
+    o[pass] = d[pass] = make_uint4(0, 0, 0, 0);
     if (t < p.q_len) {
-      const int64_t offset = ((int64_t(batch) * p.q_len + t) * p.num_heads + head) * p.head_dim;
-      const Element* o = static_cast<const Element*>(p.out) + offset;
-      const Element* d = static_cast<const Element*>(p.dout) + offset;
-      for (int c = 2 * lane; c < p.head_dim; c += 64) {
-        sum += float(o[c]) * float(d[c]) + float(o[c + 1]) * float(d[c + 1]);
-      }
+      const int64_t offset = ((int64_t(batch) * p.q_len + t) * p.num_heads + head) * kHeadDim;
+      const Element* out = static_cast<const Element*>(p.out) + offset + 8 * sub;
+      const Element* dout = static_cast<const Element*>(p.dout) + offset + 8 * sub;
+      o[pass] = *reinterpret_cast<const uint4*>(out);
+      d[pass] = *reinterpret_cast<const uint4*>(dout);
+    }
+  }
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const uint32_t ow[4] = {o[pass].x, o[pass].y, o[pass].z, o[pass].w};
+    const uint32_t dw[4] = {d[pass].x, d[pass].y, d[pass].z, d[pass].w};
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 a = unpack2<Element>(ow[k]), b = unpack2<Element>(dw[k]);
+      sum = fmaf(a.x, b.x, fmaf(a.y, b.y, sum));
     }
 #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (lane == 0) {
+    for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2)
+      sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    const int t = row_tile * kDqTileRows + pass * kRowsPerPass + row_in_pass;
+    if (sub == 0) {
       const float lse = t < p.q_len ? p.lse[batch_head * p.q_len + t] : -INFINITY;
       p.dsum[stats + t] = sum;
       p.lse_log2[stats + t] = lse == -INFINITY ? INFINITY : lse * kLog2e;
     }
   }
-  const int slabs = p.head_dim / 64;
   float4* tile = reinterpret_cast<float4*>(
-      p.dq_accum + (stats / kDqTileRows + row_tile) * slabs * kDqTileFloats);
-  for (int i = threadIdx.x; i < slabs * kDqTileFloats / 4; i += 256)
+      p.dq_accum + (stats / kDqTileRows + row_tile) * kDqTileRows * kHeadDim);
+#pragma unroll
+  for (int i = threadIdx.x; i < kDqTileRows * kHeadDim / 4; i += 256)
     tile[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (p.dq_semaphore != nullptr && threadIdx.x == 0)
     p.dq_semaphore[stats / kDqTileRows + row_tile] = 0;
 }
 
 // One CTA (one warpgroup's worth of threads) per 64 padded query rows of a (batch, head):
-// dq = scale * dq_accum, reading each 64 x 64 tile in its fragment order.
-template <typename Element>
+// dq = scale * dq_accum. Each 64 x 64 tile is read in its fragment order (coalesced float4),
+// converted into a shared row-major tile, and written out in 16-byte pieces of whole rows
+// (stored straight from the fragment layout, every 4-byte store left half of its sector).
+template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(128) v3_backward_postprocess_kernel(
     const __grid_constant__ PrePostParams p) {
+  constexpr int kSlabs = kHeadDim / 64;
+  // Rows padded by 16 bytes: the 8 rows x 4 lanes of a fragment store hit 32 distinct banks.
+  constexpr int kRowElements = kHeadDim + 8;
+  __shared__ __align__(16) Element rows[kDqTileRows * kRowElements];
   const int row_tile = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
   const int thread = threadIdx.x;
   const Lane lane = Lane::of(thread);
-  const int slabs = p.head_dim / 64;
   const int64_t stats = (int64_t(batch) * p.num_heads + head) * p.q_len_padded;
-  for (int slab = 0; slab < slabs; ++slab) {
+#pragma unroll
+  for (int slab = 0; slab < kSlabs; ++slab) {
     const float4* src = reinterpret_cast<const float4*>(
-        p.dq_accum + ((stats / kDqTileRows + row_tile) * slabs + slab) * kDqTileFloats +
+        p.dq_accum + ((stats / kDqTileRows + row_tile) * kSlabs + slab) * kDqTileFloats +
         4 * thread);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float4 v = src[128 * j];
       const int column = slab * 64 + 8 * j + lane.col0;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int t = row_tile * kDqTileRows + lane.row0 + 8 * r;
-        if (t >= p.q_len) continue;
-        Element* row = static_cast<Element*>(p.dq) +
-                       ((int64_t(batch) * p.q_len + t) * p.num_heads + head) * p.head_dim;
-        *reinterpret_cast<uint32_t*>(row + column) =
-            pack2<Element>((r ? v.z : v.x) * p.scale, (r ? v.w : v.y) * p.scale);
-      }
+      *reinterpret_cast<uint32_t*>(&rows[lane.row0 * kRowElements + column]) =
+          pack2<Element>(v.x * p.scale, v.y * p.scale);
+      *reinterpret_cast<uint32_t*>(&rows[(lane.row0 + 8) * kRowElements + column]) =
+          pack2<Element>(v.z * p.scale, v.w * p.scale);
     }
+  }
+  __syncthreads();
+  constexpr int kChunksPerRow = kHeadDim / 8;
+#pragma unroll
+  for (int i = thread; i < kDqTileRows * kChunksPerRow; i += 128) {
+    const int r = i / kChunksPerRow, chunk = i % kChunksPerRow;
+    const int t = row_tile * kDqTileRows + r;
+    if (t >= p.q_len) continue;
+    Element* row = static_cast<Element*>(p.dq) +
+                   ((int64_t(batch) * p.q_len + t) * p.num_heads + head) * kHeadDim;
+    *reinterpret_cast<uint4*>(row + 8 * chunk) =
+        *reinterpret_cast<const uint4*>(&rows[r * kRowElements + 8 * chunk]);
   }
 }
 
@@ -756,7 +880,7 @@ cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bo
   return cudaGetLastError();
 }
 
-template <typename Element>
+template <typename Element, int kHeadDim>
 cudaError_t launch_all(const BackwardArgs& a, const V3BackwardWorkspace& ws, bool deterministic,
                        cudaStream_t stream) {
   const AttentionShape& sh = a.fwd.shape;
@@ -771,22 +895,19 @@ cudaError_t launch_all(const BackwardArgs& a, const V3BackwardWorkspace& ws, boo
   pp.dq_semaphore = deterministic ? ws.dq_semaphore : nullptr;
   pp.q_len = int(sh.q_len);
   pp.num_heads = int(sh.num_heads);
-  pp.head_dim = int(sh.head_dim);
   pp.q_len_padded = int(padded_rows(sh.q_len));
   pp.scale = a.fwd.spec.scale;
   const dim3 row_grid(unsigned(pp.q_len_padded / kDqTileRows), unsigned(sh.num_heads),
                       unsigned(sh.batch));
   cudaError_t err;
   if (sh.q_len > 0) {
-    v3_backward_preprocess_kernel<Element><<<row_grid, 256, 0, stream>>>(pp);
+    v3_backward_preprocess_kernel<Element, kHeadDim><<<row_grid, 256, 0, stream>>>(pp);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
-  err = sh.head_dim == 64
-            ? launch_main<typename BwdConfigFor<Element, 64>::type>(a, ws, deterministic, stream)
-            : launch_main<typename BwdConfigFor<Element, 128>::type>(a, ws, deterministic, stream);
+  err = launch_main<typename BwdConfigFor<Element, kHeadDim>::type>(a, ws, deterministic, stream);
   if (err != cudaSuccess) return err;
   if (sh.q_len > 0) {
-    v3_backward_postprocess_kernel<Element><<<row_grid, 128, 0, stream>>>(pp);
+    v3_backward_postprocess_kernel<Element, kHeadDim><<<row_grid, 128, 0, stream>>>(pp);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   return cudaSuccess;
@@ -813,6 +934,10 @@ const char* V3BackwardUnsupportedReason(const BackwardArgs& a) {
   if (a.fwd.bias.data != nullptr || a.dbias != nullptr)
     return "v3 backward does not take a bias tensor";
   if (a.fwd.mask.data != nullptr) return "v3 backward does not take a mask tensor";
+  // Pre- and postprocessing move out, dout and dq in 16-byte pieces (TMA reads dout too).
+  if ((reinterpret_cast<uintptr_t>(a.fwd.out) | reinterpret_cast<uintptr_t>(a.dout) |
+       reinterpret_cast<uintptr_t>(a.dq)) % 16 != 0)
+    return "v3 backward needs 16-byte-aligned out, dout and dq";
   if (!(a.fwd.spec.scale > 0.f)) return "v3 backward needs scale > 0";
   if (sh.num_kv_heads <= 0 || sh.num_heads % sh.num_kv_heads != 0)
     return "query heads must be a multiple of kv heads";
@@ -834,9 +959,12 @@ cudaError_t V3Backward(const BackwardArgs& args, const V3BackwardWorkspace& work
       workspace.lse_log2 == nullptr || (deterministic && workspace.dq_semaphore == nullptr))
     return cudaErrorInvalidValue;
   if (args.fwd.shape.batch * args.fwd.shape.num_heads == 0) return cudaSuccess;
-  return args.fwd.dtype == DType::kBF16
-             ? launch_all<__nv_bfloat16>(args, workspace, deterministic, stream)
-             : launch_all<__half>(args, workspace, deterministic, stream);
+  const bool bf16 = args.fwd.dtype == DType::kBF16;
+  if (args.fwd.shape.head_dim == 64)
+    return bf16 ? launch_all<__nv_bfloat16, 64>(args, workspace, deterministic, stream)
+                : launch_all<__half, 64>(args, workspace, deterministic, stream);
+  return bf16 ? launch_all<__nv_bfloat16, 128>(args, workspace, deterministic, stream)
+              : launch_all<__half, 128>(args, workspace, deterministic, stream);
 }
 
 }  // namespace jax_flash

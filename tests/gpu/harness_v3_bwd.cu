@@ -343,11 +343,13 @@ bool check_case(const Case& c, uint64_t seed) {
 
 // ---- bench ------------------------------------------------------------------------------------
 
-bool bench(int reps) {
+// with_v2: also time the v2 backward (v2 always runs once, as the reference of the agreement
+// check).
+bool bench(const std::vector<Case>& cases, int reps, bool with_v2) {
   bool all_ok = true;
   std::vector<std::string> table;
   uint64_t seed = 2000;
-  for (const Case& c : grid_cases()) {
+  for (const Case& c : cases) {
     Problem pb(c, ++seed);
     const bool has_v3 = jax_flash::V3BackwardUnsupportedReason(pb.backward_args()) == nullptr;
     // v2 is the float64-verified backward: v3 must agree with it on every element.
@@ -371,7 +373,8 @@ bool bench(int reps) {
       all_ok &= report("v3 vs v2", c, e, true, "");
     }
     const double fwd = median_event_ms([&] { CUDA_CHECK(pb.launch_forward()); }, 3, reps);
-    const double bwd_v2 = median_event_ms([&] { CUDA_CHECK(pb.launch_v2()); }, 3, reps);
+    const double bwd_v2 =
+        with_v2 ? median_event_ms([&] { CUDA_CHECK(pb.launch_v2()); }, 3, reps) : NAN;
     double bwd_v3 = NAN, bwd_v3_det = NAN, both_v3 = NAN;
     if (has_v3) {
       bwd_v3 = median_event_ms([&] { CUDA_CHECK(pb.launch_v3(false)); }, 3, reps);
@@ -383,12 +386,13 @@ bool bench(int reps) {
           },
           3, reps);
     }
-    const double both_v2 = median_event_ms(
-        [&] {
-          CUDA_CHECK(pb.launch_forward());
-          CUDA_CHECK(pb.launch_v2());
-        },
-        3, reps);
+    const double both_v2 = with_v2 ? median_event_ms(
+                                         [&] {
+                                           CUDA_CHECK(pb.launch_forward());
+                                           CUDA_CHECK(pb.launch_v2());
+                                         },
+                                         3, reps)
+                                   : NAN;
     const double f = c.forward_flops();
     const auto tflops = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
     char buf[256];
@@ -413,6 +417,9 @@ bool bench(int reps) {
 
 }  // namespace
 
+constexpr const char* kUsage =
+    "usage: %s [check] [small] [--bench] [--bench-v3] [--bench-one|profile H T causal]\n";
+
 int main(int argc, char** argv) {
   bool ok = true;
   cudaDeviceProp prop;
@@ -420,7 +427,7 @@ int main(int argc, char** argv) {
   std::printf("device: %s, sm_%d%d, %d SMs\n", prop.name, prop.major, prop.minor,
               prop.multiProcessorCount);
   if (argc < 2) {
-    std::fprintf(stderr, "usage: %s [check] [small] [--bench]\n", argv[0]);
+    std::fprintf(stderr, kUsage, argv[0]);
     return 2;
   }
   for (int i = 1; i < argc; ++i) {
@@ -435,9 +442,33 @@ int main(int argc, char** argv) {
       ok &= check_case(c, 7);
       ok &= check_case({DType::kF16, 1, 130, 90, 2, 1, 64}, 8);
     } else if (mode == "--bench" || mode == "bench") {
-      ok &= bench(10);
+      ok &= bench(grid_cases(), 10, true);
+    } else if (mode == "--bench-v3") {  // the head dims v3 runs, without v2 timings
+      std::vector<Case> cs;
+      for (const Case& c : grid_cases())
+        if (c.H != 256) cs.push_back(c);
+      ok &= bench(cs, 10, false);
+    } else if ((mode == "--bench-one" || mode == "profile") && i + 3 < argc) {
+      // One grid config: H T causal. profile: two plain v3 backward runs (for ncu).
+      const int64_t h = std::atoll(argv[i + 1]), t = std::atoll(argv[i + 2]);
+      const bool causal = std::atoi(argv[i + 3]) != 0;
+      i += 3;
+      std::vector<Case> cs;
+      for (const Case& c : grid_cases())
+        if (c.H == h && c.T == t && c.causal == causal) cs.push_back(c);
+      if (cs.empty()) {
+        std::fprintf(stderr, "no grid config H=%ld T=%ld causal=%d\n", long(h), long(t), causal);
+        return 2;
+      }
+      if (mode == "profile") {
+        Problem pb(cs[0], 1);
+        for (int r = 0; r < 2; ++r) CUDA_CHECK(pb.launch_v3(false));
+        CUDA_CHECK(cudaDeviceSynchronize());
+      } else {
+        ok &= bench(cs, 10, false);
+      }
     } else {
-      std::fprintf(stderr, "usage: %s [check] [small] [--bench]\n", argv[0]);
+      std::fprintf(stderr, kUsage, argv[0]);
       return 2;
     }
   }
