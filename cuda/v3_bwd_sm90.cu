@@ -14,8 +14,8 @@
 //   2. main (one CTA per (key block of 128 keys, kv head, batch)), warp-specialized:
 //        warpgroup 0: producer. One thread loads K and V of the key block once (TMA), then for
 //          every (query head of the group, query block) a Q tile, a dO tile (TMA) and the
-//          block's lse_log2 and D rows (1-D bulk copies) into a 3-stage ring with full / empty
-//          mbarriers.
+//          block's lse_log2 and D rows (1-D bulk copies) into a 3-stage ring (2 at H = 64)
+//          with full / empty mbarriers.
 //        warpgroups 1, 2: consumers; warpgroup w owns keys [64 w, 64 w + 64) of the block and
 //          keeps dK and dV of those keys in registers over the whole loop. Per query block:
 //            S^T  = K_w Q^T            wgmma SS (K-major both), 64 keys x kBlockM queries
@@ -30,10 +30,10 @@
 //            dQ tile = dS K            wgmma SS, dS MN-major, K MN-major; each warpgroup one
 //                                      64 x 64 tile of the block's dQ
 //            dK  += dS^T Q             wgmma SS, dS^T K-major (its own 64 rows), Q MN-major
-//            wait for dV and dQ only; the dQ tile is added into the fp32 dq_accum with
-//            red.global.add.v4.f32 (one 512-byte line per warp instruction: the accumulator
-//            is stored in fragment order) while dK and then the next step's S^T / dP^T run, so
-//            the tensor-core queue does not drain between steps (see run_consumer).
+//            wait for dV and dQ only; the dQ tile is staged in shared memory (fragment order,
+//            the layout of dq_accum) and added into the fp32 dq_accum by one bulk (TMA)
+//            reduce-add per warpgroup, while dK and then the next step's S^T / dP^T run, so
+//            the tensor-core queue does not drain between steps (see run_consumer, add_dq).
 //        Deterministic mode: the dQ adds of a (batch, head, query block) are serialized in
 //        descending key block order by a semaphore per block (each element gets its partials
 //        added in the same order every run; see dq_turn); dK / dV are always deterministic
@@ -82,9 +82,10 @@ struct BwdConfig {
   static constexpr int kBlockN = 128;       // keys per CTA, 64 per consumer warpgroup
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
-  // Three stages: a stage is released only once the next step's S^T GEMM has completed (the
-  // previous step's dK GEMM, which reads Q, is still in flight at the end of its step).
-  static constexpr int kStages = 3;
+  // A stage is released only once the next step's S^T GEMM has completed (the previous step's
+  // dK GEMM, which reads Q, is still in flight at the end of its step): three stages where
+  // shared memory allows, two at H = 64 (its dS^T buffers are twice as large).
+  static constexpr int kStages = kHeadDim_ == 64 ? 2 : 3;
   static constexpr int kProducerRegisters = 24;
   // 240 made ptxas spill 8 bytes in the consumer (nvcc 13.0); 232 compiles without spills.
   static constexpr int kConsumerRegisters = 232;
@@ -106,7 +107,10 @@ struct BwdConfig {
   static constexpr int kDoOffset = kQOffset + kStages * kQBytes;
   static constexpr int kDsOffset = kDoOffset + kStages * kQBytes;
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // one of the two dS^T buffers
-  static constexpr int kLseOffset = kDsOffset + 2 * kDsBytes;
+  // Per consumer warpgroup its fp32 64 x 64 dQ tile, staged for the bulk reduce into dq_accum.
+  static constexpr int kDqStageOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr int kDqStageBytes = 64 * 64 * 4;
+  static constexpr int kLseOffset = kDqStageOffset + kConsumerWarpgroups * kDqStageBytes;
   static constexpr int kDsumOffset = kLseOffset + kStages * kRowStatBytes;
   static constexpr int kBarrierOffset = kDsumOffset + kStages * kRowStatBytes;
   static constexpr int kBarrierBytes = 8 * (1 + 3 * kStages);
@@ -472,10 +476,27 @@ __device__ __forceinline__ void store_score_gradients(uint32_t ds_tile, int warp
   }
 }
 
-__device__ __forceinline__ void red_add_v4(float* address, float a, float b, float c, float d) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(address), "f"(a), "f"(b),
-               "f"(c), "f"(d)
-               : "memory");
+// Bulk (TMA) reduce-add of `bytes` contiguous bytes of shared memory into global memory, in the
+// issuing thread's bulk async-group; only where `issue` holds. Predicated rather than branched
+// around: a branch around it while wgmmas were in flight made ptxas serialize them (C7520).
+__device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, uint32_t bytes,
+                                                bool issue) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %3, 0;\n"
+      " @p cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+      " @p cp.async.bulk.commit_group;\n}" ::"l"(dst),
+      "r"(src), "r"(bytes), "r"(uint32_t(issue))
+      : "memory");
+}
+// Returns once the thread's bulk reduces have read their shared source (kReadsOnly) or have
+// completed; at once in a thread that issued none.
+template <bool kReadsOnly>
+__device__ __forceinline__ void bulk_wait_all() {
+  if (kReadsOnly) {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  } else {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  }
 }
 
 // Gives each element of a new accumulator chain its own register with no instruction: the
@@ -498,6 +519,7 @@ __device__ __forceinline__ void zero(float (&x)[N]) {
 // Named barrier ids (0 is __syncthreads): the two consumer warpgroups (256 threads).
 constexpr int kDsReadyBarrier = 1;  // both warpgroups' dS of this step are in shared memory
 constexpr int kDqOrderBarrier = 2;  // deterministic mode: this block's turn to add dQ
+constexpr int kDqStagedBarrier = 3;  // + warpgroup: its dQ tile is staged (128 threads)
 constexpr int kConsumerThreads = 256;
 
 __device__ __forceinline__ int load_acquire(const int* address) {
@@ -506,36 +528,50 @@ __device__ __forceinline__ int load_acquire(const int* address) {
   return v;
 }
 
-// Adds this warpgroup's dQ tile into dq_accum. Deterministic mode: waits for the block's turn
-// (the semaphore counts the key blocks that have added), adds, and passes the turn on.
+// Adds this warpgroup's dQ tile into dq_accum: the tile goes to the warpgroup's staging buffer
+// in fragment order (the order of dq_accum: float i of thread t at (i / 4) * 512 + 4 t + i % 4,
+// one conflict-free 512-byte row per warp store), then thread 0 adds the whole 16 KB with one
+// bulk reduce. The consumer threads only store to shared memory: with red.global.add.v4 from
+// every thread, the next step's register writes waited for the queued reductions to read
+// their operands (ncu: 13% of all stall samples on the loop's first instruction). Thread 0
+// waits for the reduce to have read the buffer before the next step's dS barrier (run_consumer).
+// Deterministic mode: the block waits for its turn (the semaphore counts the key blocks that
+// have added), both reduces complete, and the turn is passed on.
 template <class Cfg>
 __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, const Step& st,
-                                       int warpgroup, int thread, const float (&dq)[32]) {
-  const int row_tile = st.m_block * Cfg::kDqRowTiles + warpgroup % Cfg::kDqRowTiles;
-  const int slab = warpgroup / Cfg::kDqRowTiles;
-  float* tile = DqAccum::tile(p.dq_accum, p, kb.batch, st.head, row_tile, slab, Cfg::kSlabs) +
-                4 * thread;
-  int* semaphore = nullptr;
-  if (p.dq_semaphore != nullptr) {
-    semaphore = p.dq_semaphore +
-                (int64_t(kb.batch) * p.num_heads + st.head) * (p.q_len_padded / kDqTileRows) +
-                st.m_block * Cfg::kDqRowTiles;
-    if (warpgroup == 0 && thread == 0) {
-      const int turn = dq_turn<Cfg>(p, kb, st.m_block);
-      while (load_acquire(semaphore) != turn) {
-      }
-    }
-    named_barrier_sync(kDqOrderBarrier, kConsumerThreads);
-  }
+                                       int warpgroup, int thread, uint32_t staging,
+                                       const float (&dq)[32]) {
 #pragma unroll
   for (int j = 0; j < 8; ++j)
-    red_add_v4(tile + 512 * j, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
-  if (semaphore != nullptr) {
-    named_barrier_sync(kDqOrderBarrier, kConsumerThreads);
-    if (warpgroup == 0 && thread == 0) {
-      __threadfence();
-      asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(staging + j * 2048 + 16 * thread),
+                 "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3])
+                 : "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  named_barrier_sync(kDqStagedBarrier + warpgroup, 128);
+  const int row_tile = st.m_block * Cfg::kDqRowTiles + warpgroup % Cfg::kDqRowTiles;
+  const int slab = warpgroup / Cfg::kDqRowTiles;
+  float* tile = DqAccum::tile(p.dq_accum, p, kb.batch, st.head, row_tile, slab, Cfg::kSlabs);
+  if (p.dq_semaphore == nullptr) {
+    bulk_reduce_add(tile, staging, Cfg::kDqStageBytes, thread == 0);
+    return;
+  }
+  int* semaphore = p.dq_semaphore +
+                   (int64_t(kb.batch) * p.num_heads + st.head) * (p.q_len_padded / kDqTileRows) +
+                   st.m_block * Cfg::kDqRowTiles;
+  if (warpgroup == 0 && thread == 0) {
+    const int turn = dq_turn<Cfg>(p, kb, st.m_block);
+    while (load_acquire(semaphore) != turn) {
     }
+  }
+  named_barrier_sync(kDqOrderBarrier, kConsumerThreads);
+  asm volatile("fence.proxy.async.global;" ::: "memory");  // the acquire, then async-proxy adds
+  bulk_reduce_add(tile, staging, Cfg::kDqStageBytes, thread == 0);
+  bulk_wait_all<false>();
+  asm volatile("fence.proxy.async.global;" ::: "memory");  // the adds, then the release
+  named_barrier_sync(kDqOrderBarrier, kConsumerThreads);
+  if (warpgroup == 0 && thread == 0) {
+    __threadfence();
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
   }
 }
 
@@ -581,6 +617,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   const uint32_t k_tile = smem + Cfg::kKOffset, v_tile = smem + Cfg::kVOffset;
   const uint32_t k_rows = k_tile + warpgroup * 64 * 128, v_rows = v_tile + warpgroup * 64 * 128;
   const int dq_row_tile = warpgroup % Cfg::kDqRowTiles, dq_slab = warpgroup / Cfg::kDqRowTiles;
+  const uint32_t dq_staging = smem + Cfg::kDqStageOffset + warpgroup * Cfg::kDqStageBytes;
 
   float dk[Cfg::kHeadDim / 2], dv[Cfg::kHeadDim / 2];  // set by the first step (issue_dv)
   if (kb.steps > 0) mbarrier_wait(bars.kv_full, 0);
@@ -631,6 +668,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     // The generic-proxy stores must be fenced before the tensor cores (async proxy) read them.
     store_score_gradients<Cfg>(ds_tile, 64 * warpgroup + 16 * (thread / 32), thread % 32, dsa);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    bulk_wait_all<true>();  // the last step's dQ reduce (thread 0's) has read the staging
     named_barrier_sync(kDsReadyBarrier, kConsumerThreads);
 
     float dq[32];
@@ -644,7 +682,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     fence_registers(dv);
     fence_registers(pa);
     fence_registers(dq);
-    add_dq<Cfg>(p, kb, st, warpgroup, thread, dq);
+    add_dq<Cfg>(p, kb, st, warpgroup, thread, dq_staging, dq);
     last_stage = stage;
     if (++stage == Cfg::kStages) {
       stage = 0;
@@ -653,6 +691,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   }
   wgmma_wait<0>();
   fence_registers(dk);
+  bulk_wait_all<true>();  // the staging buffer outlives the last reduce's read
   if (kb.steps == 0) {  // no query row keeps a key of this block: dK = dV = 0
     zero(dk);
     zero(dv);
