@@ -174,3 +174,17 @@ def test_gpu_grid_is_the_benchmark_grid():
   assert all(c.batch * c.q_len == 16384 and c.num_heads * c.head_dim == 2048 for c in cases)
   decode = configs.decode_grid(configs.GPU_DECODE_GRID, "bfloat16")
   assert decode[0].kv_bytes() == 2 * 1 * 32768 * 8 * 128 * 2
+
+
+def test_mode_table_summarizes_ours_over_peer_like_the_bars():
+  from jax_flash.bench import report
+
+  def case(label, ours, peer):
+    row = lambda impl, rate, is_ours: {"impl": impl, "status": "ok", "ours": is_ours,
+                                       "tflops": rate, "check": {"passed": True}}
+    return {"label": label, "rows": [row("v3", ours, True), row("cudnn", peer, False)]}
+
+  table = report.mode_table("fwd", [case("a", 200.0, 100.0), case("b", 100.0, 200.0),
+                                    case("c", 300.0, 300.0)], repeats=3)
+  assert table.splitlines()[-1] == ("ours/peer over 3 rows: geometric mean 1.000, lowest 0.50, "
+                                    "highest 2.00")

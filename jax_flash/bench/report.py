@@ -54,13 +54,22 @@ def mode_table(mode: str, cases: list[dict], repeats: int) -> str:
            "! failed the float64 check, - unsupported/skipped, ERR failed; ours/peer = best "
            "jax_flash over best peer)",
            " " * label_width + "".join(f"{name:>{CELL}}" for name in impls) + f"{'ours/peer':>{CELL}}"]
+  ratios = []
   for case in cases:
     by_impl = {row["impl"]: row for row in case["rows"]}
     best = _best(case, key)
     cells = "".join(f"{_cell(by_impl.get(name), key, best):>{CELL}}" for name in impls)
     ratio = _best(case, key, ours=True) / _best(case, key, ours=False)
-    cells += f"{ratio:>{CELL}.2f}" if math.isfinite(ratio) else f"{'':>{CELL}}"
+    if math.isfinite(ratio):
+      ratios.append(ratio)
+      cells += f"{ratio:>{CELL}.2f}"
+    else:
+      cells += f"{'':>{CELL}}"
     lines.append(f"{case['label']:<{label_width}}{cells}")
+  if ratios:  # the form the issues' bars take: a geometric mean and the worst row
+    geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    lines.append(f"ours/peer over {len(ratios)} rows: geometric mean {geomean:.3f}, lowest "
+                 f"{min(ratios):.2f}, highest {max(ratios):.2f}")
   return "\n".join(lines)
 
 
