@@ -45,7 +45,10 @@
 //     them, so they work on device buffers. Return InvalidArgument naming the buffer.
 //
 //   int64_t ElementBytes(DType)   bytes of one q/k/v element
+//   ffi::Error TargetError(target, what)   InvalidArgument "<target>: <what>" (handler checks)
 //   ffi::Error CheckWorkspace(target, name, buffer, type, elements)   a workspace output's size
+//   std::string ShapeString(buffer or buffer.dimensions())   "[2, 3, 4]"
+//   bool HasShape(buffer, {dims...})   exact shape comparison
 //
 // No CUDA header is included here; GPU handlers add their stream context themselves.
 #pragma once
@@ -134,6 +137,11 @@ inline int64_t ElementBytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; 
 #define JAX_FLASH_TRY(expr) \
   if ((err = (expr)).failure()) return err
 
+// A check a handler adds beyond the convention failed: InvalidArgument naming the target.
+inline ffi::Error TargetError(const char* target, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(target) + ": " + what);
+}
+
 // A workspace output (an extra result a handler's kernels use as scratch) must hold exactly
 // `elements` elements of `type`; InvalidArgument naming the target and the workspace otherwise.
 inline ffi::Error CheckWorkspace(const char* target, const char* name, ffi::AnyBuffer buffer,
@@ -143,11 +151,9 @@ inline ffi::Error CheckWorkspace(const char* target, const char* name, ffi::AnyB
   const char* type_name = type == ffi::DataType::F32 ? "float32"
                           : type == ffi::DataType::S32 ? "int32"
                                                        : "the declared type";
-  return ffi::Error::InvalidArgument(std::string(target) + ": workspace `" + name + "` must have " +
-                                     std::to_string(elements) + " elements of " + type_name);
+  return TargetError(target, std::string("workspace `") + name + "` must have " +
+                                 std::to_string(elements) + " elements of " + type_name);
 }
-
-namespace args_detail {
 
 inline std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
   std::string s = "[";
@@ -158,21 +164,30 @@ inline std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
   return s + "]";
 }
 
+inline std::string ShapeString(ffi::AnyBuffer buffer) { return ShapeString(buffer.dimensions()); }
+
+inline bool HasShape(ffi::AnyBuffer buffer, std::initializer_list<int64_t> shape) {
+  auto dims = buffer.dimensions();
+  if (dims.size() != shape.size()) return false;
+  size_t i = 0;
+  for (int64_t d : shape)
+    if (dims[i++] != d) return false;
+  return true;
+}
+
+namespace args_detail {
+
 inline ffi::Error Invalid(const char* name, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string("jax_flash: `") + name + "` " + what);
 }
 
 inline ffi::Error CheckShape(const char* name, ffi::AnyBuffer buf,
                              std::initializer_list<int64_t> expected) {
-  auto dims = buf.dimensions();
-  bool same = dims.size() == expected.size();
-  size_t i = 0;
-  for (int64_t e : expected) same = same && dims[i++] == e;
-  if (same) return ffi::Error::Success();
+  if (HasShape(buf, expected)) return ffi::Error::Success();
   std::string want = "[";
-  i = 0;
+  size_t i = 0;
   for (int64_t e : expected) want += (i++ ? ", " : "") + std::to_string(e);
-  return Invalid(name, "has shape " + ShapeString(dims) + ", expected " + want + "]");
+  return Invalid(name, "has shape " + ShapeString(buf.dimensions()) + ", expected " + want + "]");
 }
 
 inline ffi::Error CheckDType(const char* name, ffi::AnyBuffer buf, ffi::DataType expected,

@@ -36,25 +36,6 @@ namespace {
 
 constexpr int64_t kMaxGridYZ = 65535;
 
-ffi::Error Invalid(const char* target, const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(target) + ": " + what);
-}
-
-std::string Shape(ffi::AnyBuffer buffer) {
-  std::string s = "[";
-  auto dims = buffer.dimensions();
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-bool HasShape(ffi::AnyBuffer buffer, std::initializer_list<int64_t> shape) {
-  auto dims = buffer.dimensions();
-  if (dims.size() != shape.size()) return false;
-  size_t i = 0;
-  for (int64_t d : shape)
-    if (dims[i++] != d) return false;
-  return true;
-}
 
 // The split workspaces: checks their shapes against `args` and stores their pointers; returns
 // the largest split count they hold.
@@ -65,18 +46,19 @@ ffi::Error BindWorkspaces(const char* target, ffi::AnyBuffer partial_out,
   const int64_t splits = partial_out.dimensions().size() == 5 ? partial_out.dimensions()[0] : 0;
   if (partial_out.element_type() != ffi::DataType::F32 || splits < 1 ||
       !HasShape(partial_out, {splits, b, t, n, h}))
-    return Invalid(target, "workspace `partial_out` must be float32 [splits, B, T, N, H] = "
+    return TargetError(target, "workspace `partial_out` must be float32 [splits, B, T, N, H] = "
                            "[splits, " + std::to_string(b) + ", " + std::to_string(t) + ", " +
                            std::to_string(n) + ", " + std::to_string(h) + "], got " +
-                           Shape(partial_out));
+                           ShapeString(partial_out));
   if (partial_lse.element_type() != ffi::DataType::F32 ||
       !HasShape(partial_lse, {splits, b, n, t}))
-    return Invalid(target, "workspace `partial_lse` must be float32 [" + std::to_string(splits) +
-                               ", B, N, T], got " + Shape(partial_lse));
-  if (splits > kMaxGridYZ) return Invalid(target, "at most 65535 splits");
+    return TargetError(target, "workspace `partial_lse` must be float32 [" +
+                                   std::to_string(splits) + ", B, N, T], got " +
+                                   ShapeString(partial_lse));
+  if (splits > kMaxGridYZ) return TargetError(target, "at most 65535 splits");
   if (counters.element_type() != ffi::DataType::S32 ||
       static_cast<int64_t>(counters.element_count()) < DecodeCounterCount(*args))
-    return Invalid(target, "workspace `counters` must be int32 with at least " +
+    return TargetError(target, "workspace `counters` must be int32 with at least " +
                                std::to_string(DecodeCounterCount(*args)) + " elements");
   args->partial_out = static_cast<float*>(partial_out.untyped_data());
   args->partial_lse = static_cast<float*>(partial_lse.untyped_data());
@@ -89,7 +71,7 @@ ffi::Error BindWorkspaces(const char* target, ffi::AnyBuffer partial_out,
 ffi::Error Launch(const char* target, cudaStream_t stream, DecodeArgs& args, int64_t max_keys,
                   int max_splits, int requested) {
   if (requested > max_splits)
-    return Invalid(target, "num_splits " + std::to_string(requested) +
+    return TargetError(target, "num_splits " + std::to_string(requested) +
                                " exceeds the workspace's " + std::to_string(max_splits));
   int splits = requested;
   if (splits <= 0) {
@@ -113,13 +95,13 @@ ffi::Error StandardForwardImpl(cudaStream_t stream, InBuffer q, InBuffer k, InBu
       DecodeForward({q, k, v, bias, mask, q_seqlens, kv_seqlens}, attrs, *out, *lse, &fwd);
   if (err.failure()) return err;
   if (attrs.has_bias || attrs.has_mask)
-    return Invalid(kTarget, "bias and mask tensors are not supported by the decode schedule");
+    return TargetError(kTarget, "bias and mask tensors are not supported by the decode schedule");
   const AttentionShape& s = fwd.shape;
   if (!DecodeSupports(s.head_dim, fwd.dtype))
-    return Invalid(kTarget, "needs bfloat16 / float16 and head dim 64, 128 or 256; got head dim " +
-                                std::to_string(s.head_dim));
+    return TargetError(kTarget, "needs bfloat16 / float16 and head dim 64, 128 or 256; got "
+                                "head dim " + std::to_string(s.head_dim));
   if (s.batch > kMaxGridYZ || s.kv_len >= (int64_t(1) << 31) || s.q_len >= (1 << 20))
-    return Invalid(kTarget, "batch must be <= 65535 and lengths < 2^31");
+    return TargetError(kTarget, "batch must be <= 65535 and lengths < 2^31");
   DecodeArgs args;
   args.batch = static_cast<int32_t>(s.batch);
   args.q_len = static_cast<int32_t>(s.q_len);
@@ -165,37 +147,41 @@ ffi::Error DecodeCacheInputs(const char* target, ffi::AnyBuffer q, ffi::AnyBuffe
                              ffi::AnyBuffer block_table, const ffi::AnyBuffer* k_new,
                              const ffi::AnyBuffer* v_new, const CacheAttrs& attrs,
                              DecodeArgs* args) {
-  if (q.dimensions().size() != 4) return Invalid(target, "`q` must be [B, T, N, H], got " + Shape(q));
+  if (q.dimensions().size() != 4)
+    return TargetError(target, "`q` must be [B, T, N, H], got " + ShapeString(q));
   switch (q.element_type()) {
     case ffi::DataType::BF16: args->dtype = DType::kBF16; break;
     case ffi::DataType::F16: args->dtype = DType::kF16; break;
-    default: return Invalid(target, "`q` must be bfloat16 or float16");
+    default: return TargetError(target, "`q` must be bfloat16 or float16");
   }
   const auto qd = q.dimensions();
   const int64_t b = qd[0], t = qd[1], n = qd[2], h = qd[3];
-  if (!DecodeSupports(h, args->dtype)) return Invalid(target, "head dim must be 64, 128 or 256");
+  if (!DecodeSupports(h, args->dtype))
+    return TargetError(target, "head dim must be 64, 128 or 256");
   if (k_cache.dimensions().size() != 4 || k_cache.element_type() != q.element_type())
-    return Invalid(target, "`k_cache` must be a rank-4 array of q's dtype, got " + Shape(k_cache));
+    return TargetError(target, "`k_cache` must be a rank-4 array of q's dtype, got " +
+                                   ShapeString(k_cache));
   const auto kd = k_cache.dimensions();
   const int64_t k = kd[2];
   if (kd[3] != h || k <= 0 || n % k != 0)
-    return Invalid(target, "`k_cache` " + Shape(k_cache) + " must have head dim " +
+    return TargetError(target, "`k_cache` " + ShapeString(k_cache) + " must have head dim " +
                                std::to_string(h) + " and kv heads dividing " + std::to_string(n));
   if (v_cache.element_type() != k_cache.element_type() || !HasShape(v_cache, {kd[0], kd[1], k, h}))
-    return Invalid(target, "`v_cache` must match `k_cache` " + Shape(k_cache));
+    return TargetError(target, "`v_cache` must match `k_cache` " + ShapeString(k_cache));
   if (cache_seqlens.element_type() != ffi::DataType::S32 || !HasShape(cache_seqlens, {b}))
-    return Invalid(target, "`cache_seqlens` must be int32 [B], got " + Shape(cache_seqlens));
-  if (b > kMaxGridYZ || t >= (1 << 20)) return Invalid(target, "batch must be <= 65535");
-  if (attrs.window_left < -1) return Invalid(target, "`window_left` must be >= -1");
-  if (!(attrs.softcap >= 0.f)) return Invalid(target, "`softcap` must be >= 0");
+    return TargetError(target,
+                       "`cache_seqlens` must be int32 [B], got " + ShapeString(cache_seqlens));
+  if (b > kMaxGridYZ || t >= (1 << 20)) return TargetError(target, "batch must be <= 65535");
+  if (attrs.window_left < -1) return TargetError(target, "`window_left` must be >= -1");
+  if (!(attrs.softcap >= 0.f)) return TargetError(target, "`softcap` must be >= 0");
   if (attrs.paged) {
     const int64_t page_size = kd[1];
     if (page_size <= 0 || (page_size & (page_size - 1)) != 0)
-      return Invalid(target, "the page size (k_cache dim 1) must be a power of two");
+      return TargetError(target, "the page size (k_cache dim 1) must be a power of two");
     if (block_table.element_type() != ffi::DataType::S32 ||
         block_table.dimensions().size() != 2 || block_table.dimensions()[0] != b)
-      return Invalid(target, "`block_table` must be int32 [B, max_pages], got " +
-                                 Shape(block_table));
+      return TargetError(target, "`block_table` must be int32 [B, max_pages], got " +
+                                 ShapeString(block_table));
     args->max_pages = static_cast<int32_t>(block_table.dimensions()[1]);
     args->capacity = int64_t(args->max_pages) * page_size;
     args->num_pages = kd[0];
@@ -204,19 +190,20 @@ ffi::Error DecodeCacheInputs(const char* target, ffi::AnyBuffer q, ffi::AnyBuffe
     while ((int64_t(1) << log2) < page_size) ++log2;
     args->page_size_log2 = log2;
     if (kd[0] * page_size >= (int64_t(1) << 31))
-      return Invalid(target, "the page pool must hold fewer than 2^31 rows");
+      return TargetError(target, "the page pool must hold fewer than 2^31 rows");
   } else {
-    if (kd[0] != b) return Invalid(target, "`k_cache` batch must equal q's, got " + Shape(k_cache));
+    if (kd[0] != b)
+      return TargetError(target, "`k_cache` batch must equal q's, got " + ShapeString(k_cache));
     args->capacity = kd[1];
   }
-  if (args->capacity + t >= (int64_t(1) << 31)) return Invalid(target, "cache too long");
+  if (args->capacity + t >= (int64_t(1) << 31)) return TargetError(target, "cache too long");
   if (k_new != nullptr) {
     for (auto [name, buf] : {std::pair{"k_new", k_new}, std::pair{"v_new", v_new}})
       if (buf->element_type() != q.element_type() || !HasShape(*buf, {b, t, k, h}))
-        return Invalid(target, std::string("`") + name + "` must be [B, T, K, H] = [" +
+        return TargetError(target, std::string("`") + name + "` must be [B, T, K, H] = [" +
                                    std::to_string(b) + ", " + std::to_string(t) + ", " +
                                    std::to_string(k) + ", " + std::to_string(h) +
-                                   "] of q's dtype, got " + Shape(*buf));
+                                   "] of q's dtype, got " + ShapeString(*buf));
     args->k_new = k_new->untyped_data();
     args->v_new = v_new->untyped_data();
   }
@@ -242,10 +229,10 @@ ffi::Error BindOutputs(const char* target, ffi::AnyBuffer q, ffi::AnyBuffer out,
                        ffi::AnyBuffer lse, DecodeArgs* args) {
   if (out.element_type() != q.element_type() || !HasShape(out, {args->batch, args->q_len,
                                                                 args->num_heads, args->head_dim}))
-    return Invalid(target, "`out` must have q's shape and dtype");
+    return TargetError(target, "`out` must have q's shape and dtype");
   if (lse.element_type() != ffi::DataType::F32 ||
       !HasShape(lse, {args->batch, args->num_heads, args->q_len}))
-    return Invalid(target, "`lse` must be float32 [B, N, T]");
+    return TargetError(target, "`lse` must be float32 [B, N, T]");
   args->out = out.untyped_data();
   args->lse = static_cast<float*>(lse.untyped_data());
   return ffi::Error::Success();

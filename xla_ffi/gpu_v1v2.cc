@@ -17,17 +17,14 @@
 namespace jax_flash {
 namespace {
 
-ffi::Error Invalid(const char* target, const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(target) + ": " + what);
-}
 
 // What the kernels take beyond the convention: 16-bit elements, head dims a multiple of 8 up
 // to 256 (the Python schedule pads the head dim to that multiple).
 ffi::Error CheckSupported(const char* target, const ForwardArgs& args) {
-  if (args.dtype == DType::kF32) return Invalid(target, "`q` must be bfloat16 or float16");
+  if (args.dtype == DType::kF32) return TargetError(target, "`q` must be bfloat16 or float16");
   const int64_t h = args.shape.head_dim;
   if (h <= 0 || h > kV1V2MaxHeadDim || h % kV1V2HeadDimMultiple != 0)
-    return Invalid(target, "head dim " + std::to_string(h) + " must be a multiple of " +
+    return TargetError(target, "head dim " + std::to_string(h) + " must be a multiple of " +
                                std::to_string(kV1V2HeadDimMultiple) + " in [8, " +
                                std::to_string(kV1V2MaxHeadDim) + "]");
   return ffi::Error::Success();
@@ -43,8 +40,8 @@ ffi::Error V1ForwardImpl(cudaStream_t stream, InBuffer q, InBuffer k, InBuffer v
       DecodeForward({q, k, v, bias, mask, q_seqlens, kv_seqlens}, attrs, *out, *lse, &args);
   if (err.failure()) return err;
   if ((err = CheckSupported(kTarget, args)).failure()) return err;
-  if ((err = CheckWorkspace(kTarget, "o_accum", *o_accum, ffi::DataType::F32, v1_forward_accum_elements(args.shape)))
-          .failure())
+  if ((err = CheckWorkspace(kTarget, "o_accum", *o_accum, ffi::DataType::F32,
+                            v1_forward_accum_elements(args.shape))).failure())
     return err;
   return LaunchStatus(kTarget,
                       launch_v1_forward(args, static_cast<float*>(o_accum->untyped_data()), stream));
@@ -82,11 +79,12 @@ ffi::Error BackwardImpl(cudaStream_t stream, InBuffer q, InBuffer k, InBuffer v,
   if (err.failure()) return err;
   if ((err = CheckSupported(kTarget, args.fwd)).failure()) return err;
   if (attrs.deterministic && !kRepeatable)
-    return Invalid(kTarget, "deterministic=true: this backward adds dQ with fp32 atomics");
+    return TargetError(kTarget, "deterministic=true: this backward adds dQ with fp32 atomics");
   const AttentionShape& shape = args.fwd.shape;
-  if ((err = CheckWorkspace(kTarget, "dq_accum", *dq_accum, ffi::DataType::F32, backward_dq_accum_elements(shape)))
-          .failure() ||
-      (err = CheckWorkspace(kTarget, "dsum", *dsum, ffi::DataType::F32, backward_dsum_elements(shape))).failure())
+  if ((err = CheckWorkspace(kTarget, "dq_accum", *dq_accum, ffi::DataType::F32,
+                            backward_dq_accum_elements(shape))).failure() ||
+      (err = CheckWorkspace(kTarget, "dsum", *dsum, ffi::DataType::F32,
+                            backward_dsum_elements(shape))).failure())
     return err;
   const BackwardWorkspace workspace{static_cast<float*>(dq_accum->untyped_data()),
                                     static_cast<float*>(dsum->untyped_data())};

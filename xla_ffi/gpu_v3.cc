@@ -30,7 +30,7 @@ ffi::Error V3ForwardHandler(cudaStream_t stream, InBuffer q, InBuffer k, InBuffe
       DecodeForward({q, k, v, bias, mask, q_seqlens, kv_seqlens}, attrs, *out, *lse, &args);
   if (err.failure()) return err;
   if (const char* reason = V3ForwardUnsupportedReason(args)) {
-    return ffi::Error::InvalidArgument(std::string("jax_flash_v3_fwd: ") + reason);
+    return TargetError("jax_flash_v3_fwd", reason);
   }
   return LaunchStatus("jax_flash_v3_fwd", V3Forward(args, stream));
 }
@@ -47,7 +47,7 @@ ffi::Error V3BackwardHandler(cudaStream_t stream, InBuffer q, InBuffer k, InBuff
                                   attrs, *dq, *dk, *dv, *dbias, &args);
   if (err.failure()) return err;
   if (const char* reason = V3BackwardUnsupportedReason(args)) {
-    return ffi::Error::InvalidArgument(std::string(kTarget) + ": " + reason);
+    return TargetError(kTarget, reason);
   }
   const V3BackwardWorkspaceBytes bytes = V3BackwardWorkspaceSizes(args.fwd.shape, true);
   using ffi::DataType;
