@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash._config import AttentionConfig, AttentionShape
-from jax_flash.schedules import v2, v3
+from jax_flash.schedules import v3
 from jax_flash.schedules.base import HOPPER, Schedule, register
 
 HEAD_DIMS = (64, 128, 256)
@@ -97,10 +97,7 @@ DECODE = register(Schedule(
                 "splits merged in-kernel (backward: v3's; head dim 256: v2's)",
     platform="gpu",
     forward_target="jax_flash_decode_fwd",
-    backward_target=v3.V3.backward_target,
-    backward_check=v3.backward_check,
-    backward_fallback=v2.V2,
-    backward_determinism=v3.V3.backward_determinism,
+    **v3.BACKWARD,
     dtypes=frozenset({"bfloat16", "float16"}),
     max_head_dim=max(HEAD_DIMS),
     head_dim_multiple=1,
@@ -109,6 +106,5 @@ DECODE = register(Schedule(
     supports_softcap=True,
     compute_capabilities=HOPPER,
     forward_workspaces=forward_workspaces,
-    backward_workspaces=v3.backward_workspaces,
     extra_check=envelope,
 ))

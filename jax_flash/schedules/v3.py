@@ -59,17 +59,22 @@ def backward_workspaces(shape: AttentionShape, dtype):
           jax.ShapeDtypeStruct((b * n * t_pad // _SEMAPHORE_ROWS,), jnp.int32))
 
 
+# The Schedule fields of the v3 backward: the v3 schedule's, and the decode schedule's too.
+BACKWARD = dict(
+    backward_target="jax_flash_v3_bwd",
+    backward_workspaces=backward_workspaces,
+    backward_check=backward_check,
+    backward_fallback=v2.V2,
+    backward_determinism="on_request",
+)
+
 V3 = register(Schedule(
     name="v3",
     description="Hopper: TMA + wgmma, warp-specialized; forward pingpong on a persistent grid, "
                 "backward with dK/dV in registers (head dim 256: v2 backward)",
     platform="gpu",
     forward_target="jax_flash_v3_fwd",
-    backward_target="jax_flash_v3_bwd",
-    backward_workspaces=backward_workspaces,
-    backward_check=backward_check,
-    backward_fallback=v2.V2,
-    backward_determinism="on_request",
+    **BACKWARD,
     dtypes=frozenset({"bfloat16", "float16"}),
     max_head_dim=256,
     supports_bias=False,
