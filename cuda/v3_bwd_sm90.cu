@@ -18,7 +18,7 @@
 //        warpgroup 0: producer. One thread loads K and V of the key block once (TMA), then for
 //          every (query head of the group, query block) a Q tile, a dO tile (TMA) and the
 //          block's lse_log2 and D rows (1-D bulk copies) into a 3-stage ring (2 at head
-//          dim 256) with full / empty mbarriers.
+//          dims 64 and 256) with full / empty mbarriers.
 //        warpgroups 1, 2: consumers; warpgroup w owns keys [64 w, 64 w + 64) of the block and
 //          keeps dK and dV of those keys in registers over the whole loop. Per query block:
 //            S^T  = K_w Q^T            wgmma SS (K-major both), 64 keys x kBlockM queries
@@ -33,10 +33,10 @@
 //            dQ tile = dS K            wgmma SS, dS MN-major, K MN-major; each warpgroup one
 //                                      64 x 64 tile of the block's dQ
 //            dK  += dS^T Q             wgmma SS, dS^T K-major (its own 64 rows), Q MN-major
-//            wait for dV and dQ only; the dQ tile is added into the fp32 dq_accum with
-//            red.global.add.v4.f32 (one 512-byte line per warp instruction: the accumulator
-//            is stored in fragment order) while dK and then the next step's S^T / dP^T run, so
-//            the tensor-core queue does not drain between steps (see run_consumer).
+//            wait for dV and dQ only; the dQ tile is staged in shared memory (fragment order,
+//            the layout of dq_accum) and added into the fp32 dq_accum by one bulk (TMA)
+//            reduce-add per warpgroup, while dK and then the next step's S^T / dP^T run, so
+//            the tensor-core queue does not drain between steps (see run_consumer, add_dq).
 //        Deterministic mode: the dQ adds of a (batch, head, query block) are serialized in
 //        descending key block order by a semaphore per block (each element gets its partials
 //        added in the same order every run; see dq_turn); dK / dV are always deterministic
@@ -56,7 +56,9 @@
 //     issued before the stores and the barrier
 //   barrier; dV_w, dK_w over the other warpgroup's 32 queries: wgmma SS m64n128 (P^T, dS^T
 //     from shared memory); dQ tile = dS K_w: 64 queries x its 128 columns, SS m64n128 over
-//     the 64 keys, added as two 64 x 64 tiles (the dq_accum layout is the same)
+//     the 64 keys, added as two 64 x 64 tiles (the dq_accum layout is the same) by
+//     red.global.add.v4.f32 from every thread, not staged for a bulk reduce as at H = 64 /
+//     128: the staging (32 KB per warpgroup) does not fit (BwdConfig::kDqByBulkReduce)
 // Registers per consumer thread: dK 64 + dV 64 (live over the loop) + dQ 64 (issue to adds)
 // + S^T 16 + dP^T 16 + P / dS fragments 8 + 8, under setmaxnreg 240 (H = 64 / 128: 232).
 // Shared memory: K, V 2 x 32 KB; Q, dO 2 stages x 2 x 32 KB; dS^T, P^T 2 x 2 x 8 KB; lse, D
@@ -117,10 +119,11 @@ struct BwdConfig {
   // kGradCols columns.
   static constexpr int kScoreCols = kSplitHeadDim ? kBlockM / 2 : kBlockM;
   static constexpr int kGradCols = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;
-  // A stage is released only once the next step's S^T GEMM has completed (the previous
-  // step's dK GEMM, which reads Q, is still in flight at the end of its step). Three stages
-  // at head dims 64 / 128; at 256 one stage is 64 KB and only two fit.
-  static constexpr int kStages = kSplitHeadDim ? 2 : 3;
+  // A stage is released only once the next step's S^T GEMM has completed (the previous step's
+  // dK GEMM, which reads Q, is still in flight at the end of its step): three stages where
+  // shared memory allows; two at H = 64 (its dS^T buffers are twice as large) and at H = 256
+  // (one stage is 64 KB).
+  static constexpr int kStages = kHeadDim == 64 || kSplitHeadDim ? 2 : 3;
   static constexpr int kProducerRegisters = 24;
   // 240 made ptxas spill 8 bytes in the consumer at head dims 64 / 128 (nvcc 13.0); 232
   // compiles without spills there. Head dim 256 takes 240, all the register file leaves with a
@@ -149,7 +152,15 @@ struct BwdConfig {
   // P^T (head dim 256 only): two buffers like dS^T.
   static constexpr int kPOffset = kDsOffset + 2 * kDsBytes;
   static constexpr int kPBytes = kSplitHeadDim ? kDsBytes : 0;
-  static constexpr int kLseOffset = kPOffset + 2 * kPBytes;
+  // How dQ reaches dq_accum (add_dq). H = 64 / 128: per consumer warpgroup its fp32 dQ tile is
+  // staged here for one bulk reduce. H = 256: red.global.add.v4.f32 from every thread, no
+  // staging: the layout takes 231,480 bytes without it, and the staging of both warpgroups'
+  // two 64 x 64 tiles would need 2 x 32 KB more (2 x 16 KB staging one slab at a time), over
+  // the 232,448-byte limit either way.
+  static constexpr bool kDqByBulkReduce = !kSplitHeadDim;
+  static constexpr int kDqStageOffset = kPOffset + 2 * kPBytes;
+  static constexpr int kDqStageBytes = kDqByBulkReduce ? 64 * 64 * 4 * kDqSlabs : 0;
+  static constexpr int kLseOffset = kDqStageOffset + kConsumerWarpgroups * kDqStageBytes;
   static constexpr int kDsumOffset = kLseOffset + kStages * kRowStatBytes;
   static constexpr int kBarrierOffset = kDsumOffset + kStages * kRowStatBytes;
   static constexpr int kBarrierBytes = 8 * (1 + 3 * kStages);
@@ -527,6 +538,29 @@ __device__ __forceinline__ void red_add_v4(float* address, float a, float b, flo
                : "memory");
 }
 
+// Bulk (TMA) reduce-add of `bytes` contiguous bytes of shared memory into global memory, in the
+// issuing thread's bulk async-group; only where `issue` holds. Predicated rather than branched
+// around: a branch around it while wgmmas were in flight made ptxas serialize them (C7520).
+__device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, uint32_t bytes,
+                                                bool issue) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %3, 0;\n"
+      " @p cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+      " @p cp.async.bulk.commit_group;\n}" ::"l"(dst),
+      "r"(src), "r"(bytes), "r"(uint32_t(issue))
+      : "memory");
+}
+// Returns once the thread's bulk reduces have read their shared source (kReadsOnly) or have
+// completed; at once in a thread that issued none.
+template <bool kReadsOnly>
+__device__ __forceinline__ void bulk_wait_all() {
+  if (kReadsOnly) {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  } else {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  }
+}
+
 // Gives each element of a new accumulator chain its own register with no instruction: the
 // chain's first wgmma (scale-d = 0) still names the registers as inputs, and left undefined
 // the compiler passed registers of accumulators still in flight (moving them aside with movs
@@ -547,6 +581,7 @@ __device__ __forceinline__ void zero(float (&x)[N]) {
 // Named barrier ids (0 is __syncthreads): the two consumer warpgroups (256 threads).
 constexpr int kDsReadyBarrier = 1;  // both warpgroups' dS of this step are in shared memory
 constexpr int kDqOrderBarrier = 2;  // deterministic mode: this block's turn to add dQ
+constexpr int kDqStagedBarrier = 3;  // + warpgroup: its dQ tile is staged (128 threads)
 constexpr int kConsumerThreads = 256;
 
 __device__ __forceinline__ int load_acquire(const int* address) {
@@ -555,16 +590,42 @@ __device__ __forceinline__ int load_acquire(const int* address) {
   return v;
 }
 
-// Adds this warpgroup's dQ tiles into dq_accum. Deterministic mode: waits for the block's turn
-// (the semaphore counts the key blocks that have added), adds, and passes the turn on.
+// Adds this warpgroup's kDqSlabs dQ tiles (64 x 64, adjacent in dq_accum, each in fragment
+// order: float i of thread t at (i / 4) * 512 + 4 t + i % 4) into dq_accum.
+// Bulk reduce (H = 64 / 128, BwdConfig::kDqByBulkReduce): the tile goes to the warpgroup's
+// staging buffer in that order (one conflict-free 512-byte row per warp store), then thread 0
+// adds the whole 16 KB tile with one bulk reduce. The consumer threads only store to shared
+// memory: with red.global.add.v4 from every thread, the next step's register writes waited for
+// the queued reductions to read their operands (ncu: 13% of all stall samples on the loop's
+// first instruction). Thread 0 waits for the reduce to have read the buffer before the next step's
+// dS barrier (run_consumer).
+// Otherwise (H = 256: no shared memory left for the staging) every thread adds its values with
+// red.global.add.v4.f32, one 512-byte line per warp instruction.
+// Deterministic mode: the block waits for its turn (the semaphore counts the key blocks that
+// have added), the adds complete, and the turn is passed on.
 template <class Cfg>
 __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, const Step& st,
-                                       int warpgroup, int thread,
+                                       int warpgroup, int thread, uint32_t staging,
                                        const float (&dq)[32 * Cfg::kDqSlabs]) {
+  if constexpr (Cfg::kDqByBulkReduce) {
+#pragma unroll
+    for (int j = 0; j < 8 * Cfg::kDqSlabs; ++j)
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(staging + j * 2048 +
+                                                                     16 * thread),
+                   "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3])
+                   : "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    named_barrier_sync(kDqStagedBarrier + warpgroup, 128);
+  }
   const int row_tile = st.m_block * Cfg::kDqRowTiles + warpgroup % Cfg::kDqRowTiles;
   const int slab = warpgroup / Cfg::kDqRowTiles * Cfg::kDqSlabs;
-  float* tile = DqAccum::tile(p.dq_accum, p, kb.batch, st.head, row_tile, slab, Cfg::kSlabs) +
-                4 * thread;
+  float* tile = DqAccum::tile(p.dq_accum, p, kb.batch, st.head, row_tile, slab, Cfg::kSlabs);
+  if constexpr (Cfg::kDqByBulkReduce) {
+    if (p.dq_semaphore == nullptr) {  // nothing here waits for the reduce
+      bulk_reduce_add(tile, staging, Cfg::kDqStageBytes, thread == 0);
+      return;
+    }
+  }
   int* semaphore = nullptr;
   if (p.dq_semaphore != nullptr) {
     semaphore = p.dq_semaphore +
@@ -577,10 +638,18 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, c
     }
     named_barrier_sync(kDqOrderBarrier, kConsumerThreads);
   }
+  if constexpr (Cfg::kDqByBulkReduce) {  // deterministic mode here
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // the acquire, then async-proxy adds
+    bulk_reduce_add(tile, staging, Cfg::kDqStageBytes, thread == 0);
+    bulk_wait_all<false>();
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // the adds, then the release
+  } else {
 #pragma unroll
-  for (int j = 0; j < 8 * Cfg::kDqSlabs; ++j)  // the slabs' tiles are adjacent in dq_accum
-    red_add_v4(tile + 512 * j, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
-  if (semaphore != nullptr) {
+    for (int j = 0; j < 8 * Cfg::kDqSlabs; ++j)  // the slabs' tiles are adjacent in dq_accum
+      red_add_v4(tile + 4 * thread + 512 * j, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2],
+                 dq[4 * j + 3]);
+  }
+  if (Cfg::kDqByBulkReduce || semaphore != nullptr) {  // bulk: deterministic mode only here
     named_barrier_sync(kDqOrderBarrier, kConsumerThreads);
     if (warpgroup == 0 && thread == 0) {
       __threadfence();
@@ -655,6 +724,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   const uint32_t k_rows = k_tile + key_row0 * 128, v_rows = v_tile + key_row0 * 128;
   const int dq_row_tile = warpgroup % Cfg::kDqRowTiles,
             dq_slab = warpgroup / Cfg::kDqRowTiles * Cfg::kDqSlabs;
+  const uint32_t dq_staging = smem + Cfg::kDqStageOffset + warpgroup * Cfg::kDqStageBytes;
 
   // Set by the first step (issue_rs_gradient, or issue_ss_gradient for dK at head dims <= 128).
   float dk[Cfg::kGradCols / 2], dv[Cfg::kGradCols / 2];
@@ -715,6 +785,8 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     if constexpr (kSplit)
       store_score_gradients<Cfg>(p_tile, 16 * (thread / 32), query_col0, thread % 32, pa);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if constexpr (Cfg::kDqByBulkReduce)
+      bulk_wait_all<true>();  // the last step's dQ reduce (thread 0's) has read the staging
     named_barrier_sync(kDsReadyBarrier, kConsumerThreads);
 
     float dq[32 * Cfg::kDqSlabs];
@@ -735,7 +807,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     fence_registers(pa);
     if constexpr (kSplit) fence_registers(dsa);
     fence_registers(dq);
-    add_dq<Cfg>(p, kb, st, warpgroup, thread, dq);
+    add_dq<Cfg>(p, kb, st, warpgroup, thread, dq_staging, dq);
     last_stage = stage;
     if (++stage == Cfg::kStages) {
       stage = 0;
@@ -744,6 +816,8 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   }
   wgmma_wait<0>();
   fence_registers(dk);
+  if constexpr (Cfg::kDqByBulkReduce)
+    bulk_wait_all<true>();  // the staging buffer outlives the last reduce's read
   if (kb.steps == 0) {  // no query row keeps a key of this block: dK = dV = 0
     zero(dk);
     zero(dv);
