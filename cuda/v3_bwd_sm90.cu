@@ -1,7 +1,9 @@
 // v3 backward: the Hopper (sm_90a) FlashAttention backward (FlashAttention-3 style).
 //
-// STATUS (2026-11-30): runs on the H200 (tests/gpu/harness_v3_bwd.cu: float64 check, memcheck,
-// benchmark; numbers in docs/perf-notes-v3.md, section "v3 backward") and is wired as the FFI
+// STATUS (2026-11-30): head dims 64 / 128 run on the H200 (tests/gpu/harness_v3_bwd.cu:
+// float64 check, memcheck, benchmark; numbers in docs/perf-notes-v3.md, section "v3
+// backward"); head dim 256 (below) is compiled only, NOT yet run on a GPU, and the Python
+// schedule still sends its gradients to v2 (jax_flash/schedules/v3.py). Wired as the FFI
 // target "jax_flash_v3_bwd" (xla_ffi/gpu_v3.cc, jax_flash/schedules/v3.py): outputs dq, dk,
 // dv, then the four workspaces of V3BackwardWorkspaceSizes (cuda/v3.h), none of which the
 // caller needs to clear (preprocess clears dq_accum and the semaphores).
@@ -11,11 +13,12 @@
 //      D = rowsum(dO * O), lse_log2 = lse * log2(e) (+inf for rows with no kept key and for
 //      the padding rows, so that P = exp2(.. - lse_log2) = 0 there), dq_accum and the
 //      semaphores cleared.
-//   2. main (one CTA per (key block of 128 keys, kv head, batch)), warp-specialized:
+//   2. main (one CTA per (key block of 128 keys, 64 at head dim 256, kv head, batch)),
+//      warp-specialized (head dims 64 / 128 here; 256 after this list):
 //        warpgroup 0: producer. One thread loads K and V of the key block once (TMA), then for
 //          every (query head of the group, query block) a Q tile, a dO tile (TMA) and the
-//          block's lse_log2 and D rows (1-D bulk copies) into a 3-stage ring (2 at H = 64)
-//          with full / empty mbarriers.
+//          block's lse_log2 and D rows (1-D bulk copies) into a 3-stage ring (2 at head
+//          dims 64 and 256) with full / empty mbarriers.
 //        warpgroups 1, 2: consumers; warpgroup w owns keys [64 w, 64 w + 64) of the block and
 //          keeps dK and dV of those keys in registers over the whole loop. Per query block:
 //            S^T  = K_w Q^T            wgmma SS (K-major both), 64 keys x kBlockM queries
@@ -42,9 +45,33 @@
 //   3. postprocess (one CTA per 64 query rows of a (batch, head)): dq = scale * dq_accum,
 //      transposed through shared memory into 16-byte stores of whole rows.
 //
+// Head dim 256 (BwdConfig::kSplitHeadDim; same kernel, producer, pre/postprocess and
+// workspaces): dK + dV of a warpgroup's 64 keys over the whole head dim would be 256 fp32
+// registers per thread, so the CTA takes 64 keys and kBlockM = 64 queries per step, and
+// warpgroup w owns columns [128 w, 128 w + 128) of dK, dV and dQ for all 64 keys / queries:
+//   S^T, dP^T = K Q_w^T, V dO_w^T  wgmma SS m64n32 (its 32 queries [32 w, 32 w + 32)), K = 256
+//   P^T, dS^T as above on those 32 queries; both stored to shared memory (P^T is needed by
+//     the other warpgroup too), two buffers each
+//   dV_w += P^T dO_w, dK_w += dS^T Q_w over its own 32 queries: wgmma RS m64n128 (fragments),
+//     issued before the stores and the barrier
+//   barrier; dV_w, dK_w over the other warpgroup's 32 queries: wgmma SS m64n128 (P^T, dS^T
+//     from shared memory); dQ tile = dS K_w: 64 queries x its 128 columns, SS m64n128 over
+//     the 64 keys, added as two 64 x 64 tiles (the dq_accum layout is the same) by
+//     red.global.add.v4.f32 from every thread, not staged for a bulk reduce as at H = 64 /
+//     128: the staging (32 KB per warpgroup) does not fit (BwdConfig::kDqByBulkReduce)
+// Registers per consumer thread: dK 64 + dV 64 (live over the loop) + dQ 64 (issue to adds)
+// + S^T 16 + dP^T 16 + P / dS fragments 8 + 8, under setmaxnreg 240 (H = 64 / 128: 232).
+// Shared memory: K, V 2 x 32 KB; Q, dO 2 stages x 2 x 32 KB; dS^T, P^T 2 x 2 x 8 KB; lse, D
+// 1 KB; barriers; 1 KB alignment: 231,480 bytes of 232,448. Per step (10.5 MFLOP, as at H =
+// 128) the CTA loads 64 KB of Q / dO and adds 64 KB of dQ (twice H = 128's: 64-key blocks).
+// Rejected: both warpgroups computing the whole 64 x 64 S^T / dP^T (40% more tensor work);
+// 128-key blocks (dK + dV alone are 65,536 fp32 values: 171 registers per thread over three
+// consumer warpgroups, 128 over four, whose budget is 122 each); a 128-query step (one 64 KB Q / dO
+// stage would leave a single stage); dK / dV in shared memory or fp32 atomics (an extra
+// 128 KB per CTA or 2x the reduction traffic).
+//
 // GQA: the CTA of a kv head loops over the query heads of its group, so dK / dV are summed in
-// registers with no extra pass. Head dims 64 (kBlockM = 128) and 128 (kBlockM = 64); 256 does
-// not fit (dK + dV of 64 keys alone are 256 fp32 registers per thread) and is refused.
+// registers with no extra pass. Head dims 64 (kBlockM = 128), 128 and 256 (kBlockM = 64).
 // Semantics: docs/architecture.md (scale, softcap, causal, windows, q / kv sequence lengths);
 // bias and mask tensors are refused (served by the v2 backward).
 #include "v3.h"
@@ -79,24 +106,39 @@ struct BwdConfig {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // query rows per step
-  static constexpr int kBlockN = 128;       // keys per CTA, 64 per consumer warpgroup
+  // Head dims 64 and 128: the consumer warpgroups split the block's keys (64 each, the whole
+  // head dim). Head dim 256 (dK + dV of 64 keys x 256 columns would be 256 fp32 registers
+  // per thread): both warpgroups see the block's 64 keys and split the head dim of dK, dV and
+  // dQ (128 columns each) and the queries of S^T and dP^T (kBlockM / 2 each); P^T goes
+  // through shared memory like dS^T (see run_consumer).
+  static constexpr bool kSplitHeadDim = kHeadDim > 128;
+  static constexpr int kBlockN = kSplitHeadDim ? 64 : 128;  // keys per CTA
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
+  // A warpgroup's S^T / dP^T tile: 64 keys x kScoreCols queries; its dK / dV: 64 keys x
+  // kGradCols columns.
+  static constexpr int kScoreCols = kSplitHeadDim ? kBlockM / 2 : kBlockM;
+  static constexpr int kGradCols = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;
   // A stage is released only once the next step's S^T GEMM has completed (the previous step's
   // dK GEMM, which reads Q, is still in flight at the end of its step): three stages where
-  // shared memory allows, two at H = 64 (its dS^T buffers are twice as large).
-  static constexpr int kStages = kHeadDim_ == 64 ? 2 : 3;
+  // shared memory allows; two at H = 64 (its dS^T buffers are twice as large) and at H = 256
+  // (one stage is 64 KB).
+  static constexpr int kStages = kHeadDim == 64 || kSplitHeadDim ? 2 : 3;
   static constexpr int kProducerRegisters = 24;
-  // 240 made ptxas spill 8 bytes in the consumer (nvcc 13.0); 232 compiles without spills.
-  static constexpr int kConsumerRegisters = 232;
+  // 240 made ptxas spill 8 bytes in the consumer at head dims 64 / 128 (nvcc 13.0); 232
+  // compiles without spills there. Head dim 256 takes 240, all the register file leaves with a
+  // 24-register producer (at 232 ptxas serialized its wgmmas: C7512, register resources).
+  static constexpr int kConsumerRegisters = kSplitHeadDim ? 240 : 232;
   static_assert(128 * kProducerRegisters + 128 * kConsumerWarpgroups * kConsumerRegisters <=
                 65536);
 
   static constexpr int kSlabs = kHeadDim / 64;
-  // Each consumer warpgroup computes one 64 x 64 tile of the block's dQ: kBlockM / 64 row
-  // tiles x kSlabs column slabs must be exactly the two warpgroups.
+  // Each consumer warpgroup computes kDqSlabs adjacent 64 x 64 tiles of the block's dQ (one
+  // row tile): kBlockM / 64 row tiles x kSlabs column slabs split evenly between the two.
   static constexpr int kDqRowTiles = kBlockM / 64;
-  static_assert(kDqRowTiles * kSlabs == kConsumerWarpgroups);
+  static constexpr int kDqSlabs = kDqRowTiles * kSlabs / kConsumerWarpgroups;
+  static_assert(kDqSlabs * kConsumerWarpgroups == kDqRowTiles * kSlabs &&
+                (kDqSlabs == 1 || kDqRowTiles == 1));
 
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q or dO stage
@@ -107,9 +149,17 @@ struct BwdConfig {
   static constexpr int kDoOffset = kQOffset + kStages * kQBytes;
   static constexpr int kDsOffset = kDoOffset + kStages * kQBytes;
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // one of the two dS^T buffers
-  // Per consumer warpgroup its fp32 64 x 64 dQ tile, staged for the bulk reduce into dq_accum.
-  static constexpr int kDqStageOffset = kDsOffset + 2 * kDsBytes;
-  static constexpr int kDqStageBytes = 64 * 64 * 4;
+  // P^T (head dim 256 only): two buffers like dS^T.
+  static constexpr int kPOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr int kPBytes = kSplitHeadDim ? kDsBytes : 0;
+  // How dQ reaches dq_accum (add_dq). H = 64 / 128: per consumer warpgroup its fp32 dQ tile is
+  // staged here for one bulk reduce. H = 256: red.global.add.v4.f32 from every thread, no
+  // staging: the layout takes 231,480 bytes without it, and the staging of both warpgroups'
+  // two 64 x 64 tiles would need 2 x 32 KB more (2 x 16 KB staging one slab at a time), over
+  // the 232,448-byte limit either way.
+  static constexpr bool kDqByBulkReduce = !kSplitHeadDim;
+  static constexpr int kDqStageOffset = kPOffset + 2 * kPBytes;
+  static constexpr int kDqStageBytes = kDqByBulkReduce ? 64 * 64 * 4 * kDqSlabs : 0;
   static constexpr int kLseOffset = kDqStageOffset + kConsumerWarpgroups * kDqStageBytes;
   static constexpr int kDsumOffset = kLseOffset + kStages * kRowStatBytes;
   static constexpr int kBarrierOffset = kDsumOffset + kStages * kRowStatBytes;
@@ -117,6 +167,9 @@ struct BwdConfig {
   static constexpr int kSmemBytes = kBarrierOffset + kBarrierBytes + 1024;  // + base alignment
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockM <= 256);
+  // Head dim 256: the P^T / dS^T tiles are one 64-query slab, and each warpgroup's queries
+  // are whole 16-query k-steps of it.
+  static_assert(!kSplitHeadDim || (kBlockM == 64 && kBlockN == 64));
 };
 
 // The mbarriers at kBarrierOffset: K+V loaded; per stage Q+lse full, dO+D full, stage empty.
@@ -265,13 +318,33 @@ __device__ void run_producer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
 // Consumer GEMMs (one warpgroup)
 // ------------------------------------------------------------------------------------------
 
-// acc^T = X_w Y^T: X_w = this warpgroup's 64 key rows of K or V (x_rows: its row 0 in slab 0),
-// Y = the Q or dO tile of kBlockM rows; both K-major. Gives S^T or dP^T.
+// The CUTLASS m64nNk16 product with fp32 accumulators and both operands in shared memory, by
+// element type, width and the two operands' majors.
+template <typename Element, int N, gmma::Major kMajorA, gmma::Major kMajorB>
+struct GmmaSS;
+#define JAX_FLASH_V3_BWD_GMMA_SS(ELEMENT, TAG, N)                            \
+  template <gmma::Major kMajorA, gmma::Major kMajorB>                       \
+  struct GmmaSS<ELEMENT, N, kMajorA, kMajorB> {                             \
+    using Op = gmma::MMA_64x##N##x16_F32##TAG##TAG##_SS<kMajorA, kMajorB>; \
+  };
+#define JAX_FLASH_V3_BWD_GMMA_SS_WIDTHS(ELEMENT, TAG) \
+  JAX_FLASH_V3_BWD_GMMA_SS(ELEMENT, TAG, 32)          \
+  JAX_FLASH_V3_BWD_GMMA_SS(ELEMENT, TAG, 64)          \
+  JAX_FLASH_V3_BWD_GMMA_SS(ELEMENT, TAG, 128)
+JAX_FLASH_V3_BWD_GMMA_SS_WIDTHS(__nv_bfloat16, BF16)
+JAX_FLASH_V3_BWD_GMMA_SS_WIDTHS(__half, F16)
+#undef JAX_FLASH_V3_BWD_GMMA_SS_WIDTHS
+#undef JAX_FLASH_V3_BWD_GMMA_SS
+
+// acc^T = X Y^T: X = this warpgroup's 64 key rows of K or V (x_rows: its row 0 in slab 0),
+// Y = its kScoreCols query rows of the Q or dO tile (y_rows: their row 0 in slab 0); both
+// K-major. Gives S^T or dP^T.
 template <class Cfg>
-__device__ __forceinline__ void issue_keys_by_queries(uint32_t x_rows, uint32_t y_tile,
-                                                      float (&acc)[Cfg::kBlockM / 2]) {
-  using Op = typename Gmma<typename Cfg::Element, Cfg::kBlockM>::SS;
-  gemm_ss_kmajor<Op, Cfg::kHeadDim>(x_rows, Cfg::kBlockN * 128, y_tile, Cfg::kBlockM * 128, acc);
+__device__ __forceinline__ void issue_keys_by_queries(uint32_t x_rows, uint32_t y_rows,
+                                                      float (&acc)[Cfg::kScoreCols / 2]) {
+  using Op = typename GmmaSS<typename Cfg::Element, Cfg::kScoreCols, gmma::Major::K,
+                             gmma::Major::K>::Op;
+  gemm_ss_kmajor<Op, Cfg::kHeadDim>(x_rows, Cfg::kBlockN * 128, y_rows, Cfg::kBlockM * 128, acc);
 }
 
 template <class Op, int N, size_t... I>
@@ -280,74 +353,55 @@ __device__ __forceinline__ void gmma_rs_scaled(const uint32_t (&a)[4], uint64_t 
   Op::fma(a[0], a[1], a[2], a[3], b, d[I]..., scale_d);
 }
 
-// dV (+)= P^T dO with P^T (64 keys x kBlockM queries) in registers and dO MN-major in shared
-// memory; `first` (the CTA's first step) overwrites instead of adding. dK and dV start that
+// dV (+)= P^T dO (head dim 256: also dK (+)= dS^T Q) over kSteps x 16 queries: A (64 keys x
+// those queries) from registers, B = the Q or dO rows of those queries and this warpgroup's
+// kGradCols columns (b_rows: their row 0 in the warpgroup's first slab), MN-major in shared
+// memory. `first` (the CTA's first step) overwrites instead of adding. dK and dV start that
 // way rather than from zeroing moves: a register move into an accumulator of a loop whose dK
 // GEMM stays in flight across the back edge made ptxas serialize every wgmma (C7515).
-template <class Cfg>
-__device__ __forceinline__ void issue_dv(const uint32_t (&a)[Cfg::kBlockM / 16][4],
-                                         uint32_t do_tile, float (&acc)[Cfg::kHeadDim / 2],
-                                         bool first) {
-  using Op = typename Gmma<typename Cfg::Element, Cfg::kHeadDim>::RS;
-  constexpr auto idx = std::make_index_sequence<Cfg::kHeadDim / 2>{};
+template <class Cfg, int kSteps>
+__device__ __forceinline__ void issue_rs_gradient(const uint32_t (&a)[kSteps][4], uint32_t b_rows,
+                                                  float (&acc)[Cfg::kGradCols / 2], bool first) {
+  using Op = typename Gmma<typename Cfg::Element, Cfg::kGradCols>::RS;
+  constexpr auto idx = std::make_index_sequence<Cfg::kGradCols / 2>{};
 #pragma unroll
-  for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk) {
-    const uint64_t b = mnmajor_descriptor(do_tile + kk * 16 * 128, Cfg::kBlockM * 128);
+  for (int kk = 0; kk < kSteps; ++kk) {
+    const uint64_t b = mnmajor_descriptor(b_rows + kk * 16 * 128, Cfg::kBlockM * 128);
     gmma_rs_scaled<Op>(a[kk], b, acc,
                        first && kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
   }
 }
 
-// dK += dS^T Q with both operands in shared memory: dS^T (this warpgroup's 64 key rows at
-// ds_rows, queries along K: K-major) and Q (MN-major). Reading dS^T back from shared memory
-// instead of registers lets the dS^T fragments die before the next step's S^T and dP^T
-// accumulators are live; with them held over, ptxas serialized the wgmmas (C7511).
-template <typename Element, int N>
-struct GmmaKMN;
-#define JAX_FLASH_V3_BWD_GMMA_KMN(ELEMENT, TAG, N)                                       \
-  template <>                                                                            \
-  struct GmmaKMN<ELEMENT, N> {                                                           \
-    using SS = gmma::MMA_64x##N##x16_F32##TAG##TAG##_SS<gmma::Major::K, gmma::Major::MN>; \
-  };
-JAX_FLASH_V3_BWD_GMMA_KMN(__nv_bfloat16, BF16, 64)
-JAX_FLASH_V3_BWD_GMMA_KMN(__nv_bfloat16, BF16, 128)
-JAX_FLASH_V3_BWD_GMMA_KMN(__half, F16, 64)
-JAX_FLASH_V3_BWD_GMMA_KMN(__half, F16, 128)
-#undef JAX_FLASH_V3_BWD_GMMA_KMN
-
-template <class Cfg>
-__device__ __forceinline__ void issue_dk(uint32_t ds_rows, uint32_t q_tile,
-                                         float (&acc)[Cfg::kHeadDim / 2], bool first) {
-  using Op = typename GmmaKMN<typename Cfg::Element, Cfg::kHeadDim>::SS;
-  constexpr auto idx = std::make_index_sequence<Cfg::kHeadDim / 2>{};
+// dK (+)= dS^T Q (head dim 256: also dV (+)= P^T dO over the other warpgroup's queries) over
+// kSteps x 16 queries, both operands in shared memory: A = dS^T or P^T (64 key rows at a_rows,
+// queries along K: K-major; a_rows may start inside the 128-byte row when all kSteps stay in
+// that slab) and B as in issue_rs_gradient. Reading dS^T back from shared memory instead of
+// registers lets the dS^T fragments die before the next step's S^T and dP^T accumulators are
+// live; with them held over, ptxas serialized the wgmmas (C7511).
+template <class Cfg, int kSteps>
+__device__ __forceinline__ void issue_ss_gradient(uint32_t a_rows, uint32_t b_rows,
+                                                  float (&acc)[Cfg::kGradCols / 2], bool first) {
+  using Op = typename GmmaSS<typename Cfg::Element, Cfg::kGradCols, gmma::Major::K,
+                             gmma::Major::MN>::Op;
+  constexpr auto idx = std::make_index_sequence<Cfg::kGradCols / 2>{};
 #pragma unroll
-  for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk) {
+  for (int kk = 0; kk < kSteps; ++kk) {
     const uint64_t a =
-        kmajor_descriptor(ds_rows + (kk / 4) * Cfg::kBlockN * 128 + (kk % 4) * 32);
-    const uint64_t b = mnmajor_descriptor(q_tile + kk * 16 * 128, Cfg::kBlockM * 128);
+        kmajor_descriptor(a_rows + (kk / 4) * Cfg::kBlockN * 128 + (kk % 4) * 32);
+    const uint64_t b = mnmajor_descriptor(b_rows + kk * 16 * 128, Cfg::kBlockM * 128);
     gmma_ss<Op>(a, b, acc, first && kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
   }
 }
 
-// The m64n64k16 product with both operands MN-major in shared memory (dQ = dS K).
-template <typename Element>
-struct GmmaMN;
-template <>
-struct GmmaMN<__nv_bfloat16> {
-  using SS = gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::MN, gmma::Major::MN>;
-};
-template <>
-struct GmmaMN<__half> {
-  using SS = gmma::MMA_64x64x16_F32F16F16_SS<gmma::Major::MN, gmma::Major::MN>;
-};
-
-// dq = dS K for one 64 x 64 tile: dS rows (queries) of row tile `row_tile`, K columns of slab
-// `slab`, summed over the block's 128 keys. dS is stored keys-as-rows (MN-major for this A).
+// dq = dS K for kDqSlabs adjacent 64 x 64 tiles: dS rows (queries) of row tile `row_tile`, K
+// columns from slab `slab` on, summed over the block's keys. dS is stored keys-as-rows
+// (MN-major for this A), K MN-major too.
 template <class Cfg>
 __device__ __forceinline__ void issue_dq(uint32_t ds_tile, uint32_t k_tile, int row_tile,
-                                         int slab, float (&dq)[32]) {
-  using Op = typename GmmaMN<typename Cfg::Element>::SS;
-  constexpr auto idx = std::make_index_sequence<32>{};
+                                         int slab, float (&dq)[32 * Cfg::kDqSlabs]) {
+  using Op = typename GmmaSS<typename Cfg::Element, 64 * Cfg::kDqSlabs, gmma::Major::MN,
+                             gmma::Major::MN>::Op;
+  constexpr auto idx = std::make_index_sequence<32 * Cfg::kDqSlabs>{};
 #pragma unroll
   for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
     const uint64_t a = mnmajor_descriptor(ds_tile + row_tile * Cfg::kBlockN * 128 + kk * 2048,
@@ -363,7 +417,8 @@ __device__ __forceinline__ void issue_dq(uint32_t ds_tile, uint32_t k_tile, int 
 // ------------------------------------------------------------------------------------------
 
 // For this thread's two key rows, the interval of kept query rows [lo, hi] (empty for keys
-// past kv_cols), or everything when the block needs no mask.
+// past kv_cols), or everything when the warpgroup's tile (64 keys from key_lo, kScoreCols
+// queries from query_lo) needs no mask.
 struct KeptQueries {
   int lo[2], hi[2];
   bool masked;
@@ -371,7 +426,7 @@ struct KeptQueries {
   __device__ static KeptQueries of(const BwdParams& p, const KeyBlock& kb, int key_lo,
                                    int key0, int query_lo) {
     KeptQueries k;
-    const int key_hi = key_lo + 63, query_hi = query_lo + Cfg::kBlockM - 1;
+    const int key_hi = key_lo + 63, query_hi = query_lo + Cfg::kScoreCols - 1;
     k.masked = key_hi >= kb.kv_cols || query_hi >= kb.q_rows ||
                (p.window_right >= 0 && key_hi > query_lo + p.window_right) ||
                (p.window_left >= 0 && key_lo < query_hi - p.window_left);
@@ -400,11 +455,11 @@ __device__ __forceinline__ float2 load_pair(uint32_t stats, int column) {
 
 // s (S^T) -> P^T in place, without softcap. Runs while the dP^T GEMM is in flight.
 template <class Cfg>
-__device__ __forceinline__ void probabilities(float (&s)[Cfg::kBlockM / 2], const BwdParams& p,
+__device__ __forceinline__ void probabilities(float (&s)[Cfg::kScoreCols / 2], const BwdParams& p,
                                               const KeptQueries& kept, uint32_t lse,
                                               int query0, int col0) {
 #pragma unroll
-  for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
+  for (int j = 0; j < Cfg::kScoreCols / 8; ++j) {
     const float2 l = load_pair(lse, 8 * j + col0);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -418,11 +473,11 @@ __device__ __forceinline__ void probabilities(float (&s)[Cfg::kBlockM / 2], cons
 
 // dp (dP^T) -> dS^T = P^T (dP^T - D) in place, P^T already in s.
 template <class Cfg>
-__device__ __forceinline__ void score_gradients(const float (&s)[Cfg::kBlockM / 2],
-                                                float (&dp)[Cfg::kBlockM / 2], uint32_t dsum,
+__device__ __forceinline__ void score_gradients(const float (&s)[Cfg::kScoreCols / 2],
+                                                float (&dp)[Cfg::kScoreCols / 2], uint32_t dsum,
                                                 int col0) {
 #pragma unroll
-  for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
+  for (int j = 0; j < Cfg::kScoreCols / 8; ++j) {
     const float2 d = load_pair(dsum, 8 * j + col0);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -435,10 +490,10 @@ __device__ __forceinline__ void score_gradients(const float (&s)[Cfg::kBlockM / 
 // With softcap: both at once, after both GEMMs (the chain factor needs the raw score).
 template <class Cfg>
 __device__ __forceinline__ void capped_probabilities_and_gradients(
-    float (&s)[Cfg::kBlockM / 2], float (&dp)[Cfg::kBlockM / 2], const BwdParams& p,
+    float (&s)[Cfg::kScoreCols / 2], float (&dp)[Cfg::kScoreCols / 2], const BwdParams& p,
     const KeptQueries& kept, uint32_t lse, uint32_t dsum, int query0, int col0) {
 #pragma unroll
-  for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
+  for (int j = 0; j < Cfg::kScoreCols / 8; ++j) {
     const float2 l = load_pair(lse, 8 * j + col0);
     const float2 d = load_pair(dsum, 8 * j + col0);
 #pragma unroll
@@ -453,20 +508,21 @@ __device__ __forceinline__ void capped_probabilities_and_gradients(
   }
 }
 
-// dS^T fragments -> shared memory, keys as rows, queries in 64-column slabs of 128-byte rows
-// (the 128-byte swizzle: 16-byte chunk c of row r lands at chunk c ^ (r % 8)). One stmatrix.x4
-// per 16 columns: fragment register j is the 8 x 8 matrix of rows + 8 (j % 2), columns
-// + 8 (j / 2), and lane l gives the address of row l % 8 of matrix l / 8; each matrix's 8 rows
-// land in 8 distinct 16-byte bank groups.
+// dS^T (or P^T) fragments -> shared memory, keys as rows, queries in 64-column slabs of
+// 128-byte rows (the 128-byte swizzle: 16-byte chunk c of row r lands at chunk c ^ (r % 8)),
+// the fragments' queries from query column column0 on. One stmatrix.x4 per 16 columns:
+// fragment register j is the 8 x 8 matrix of rows + 8 (j % 2), columns + 8 (j / 2), and lane
+// l gives the address of row l % 8 of matrix l / 8; each matrix's 8 rows land in 8 distinct
+// 16-byte bank groups.
 template <class Cfg>
 __device__ __forceinline__ void store_score_gradients(uint32_t ds_tile, int warp_row0,
-                                                      int lane_in_warp,
-                                                      const uint32_t (&a)[Cfg::kBlockM / 16][4]) {
+                                                      int column0, int lane_in_warp,
+                                                      const uint32_t (&a)[Cfg::kScoreCols / 16][4]) {
   const int matrix = lane_in_warp / 8;
   const int row = warp_row0 + 8 * (matrix % 2) + lane_in_warp % 8;
 #pragma unroll
-  for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk) {
-    const int column = 16 * kk + 8 * (matrix / 2);
+  for (int kk = 0; kk < Cfg::kScoreCols / 16; ++kk) {
+    const int column = column0 + 16 * kk + 8 * (matrix / 2);
     const int slab = column / 64, chunk = (column % 64) / 8;
     const uint32_t dst =
         ds_tile + slab * Cfg::kBlockN * 128 + row * 128 + ((chunk ^ (row % 8)) * 16);
@@ -474,6 +530,12 @@ __device__ __forceinline__ void store_score_gradients(uint32_t ds_tile, int warp
                  "r"(a[kk][0]), "r"(a[kk][1]), "r"(a[kk][2]), "r"(a[kk][3])
                  : "memory");
   }
+}
+
+__device__ __forceinline__ void red_add_v4(float* address, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(address), "f"(a), "f"(b),
+               "f"(c), "f"(d)
+               : "memory");
 }
 
 // Bulk (TMA) reduce-add of `bytes` contiguous bytes of shared memory into global memory, in the
@@ -528,58 +590,80 @@ __device__ __forceinline__ int load_acquire(const int* address) {
   return v;
 }
 
-// Adds this warpgroup's dQ tile into dq_accum: the tile goes to the warpgroup's staging buffer
-// in fragment order (the order of dq_accum: float i of thread t at (i / 4) * 512 + 4 t + i % 4,
-// one conflict-free 512-byte row per warp store), then thread 0 adds the whole 16 KB with one
-// bulk reduce. The consumer threads only store to shared memory: with red.global.add.v4 from
-// every thread, the next step's register writes waited for the queued reductions to read
-// their operands (ncu: 13% of all stall samples on the loop's first instruction). Thread 0
-// waits for the reduce to have read the buffer before the next step's dS barrier (run_consumer).
+// Adds this warpgroup's kDqSlabs dQ tiles (64 x 64, adjacent in dq_accum, each in fragment
+// order: float i of thread t at (i / 4) * 512 + 4 t + i % 4) into dq_accum.
+// Bulk reduce (H = 64 / 128, BwdConfig::kDqByBulkReduce): the tile goes to the warpgroup's
+// staging buffer in that order (one conflict-free 512-byte row per warp store), then thread 0
+// adds the whole 16 KB tile with one bulk reduce. The consumer threads only store to shared
+// memory: with red.global.add.v4 from every thread, the next step's register writes waited for
+// the queued reductions to read their operands (ncu: 13% of all stall samples on the loop's
+// first instruction). Thread 0 waits for the reduce to have read the buffer before the next step's
+// dS barrier (run_consumer).
+// Otherwise (H = 256: no shared memory left for the staging) every thread adds its values with
+// red.global.add.v4.f32, one 512-byte line per warp instruction.
 // Deterministic mode: the block waits for its turn (the semaphore counts the key blocks that
-// have added), both reduces complete, and the turn is passed on.
+// have added), the adds complete, and the turn is passed on.
 template <class Cfg>
 __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, const Step& st,
                                        int warpgroup, int thread, uint32_t staging,
-                                       const float (&dq)[32]) {
+                                       const float (&dq)[32 * Cfg::kDqSlabs]) {
+  if constexpr (Cfg::kDqByBulkReduce) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
-    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(staging + j * 2048 + 16 * thread),
-                 "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3])
-                 : "memory");
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  named_barrier_sync(kDqStagedBarrier + warpgroup, 128);
-  const int row_tile = st.m_block * Cfg::kDqRowTiles + warpgroup % Cfg::kDqRowTiles;
-  const int slab = warpgroup / Cfg::kDqRowTiles;
-  float* tile = DqAccum::tile(p.dq_accum, p, kb.batch, st.head, row_tile, slab, Cfg::kSlabs);
-  if (p.dq_semaphore == nullptr) {
-    bulk_reduce_add(tile, staging, Cfg::kDqStageBytes, thread == 0);
-    return;
+    for (int j = 0; j < 8 * Cfg::kDqSlabs; ++j)
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(staging + j * 2048 +
+                                                                     16 * thread),
+                   "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3])
+                   : "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    named_barrier_sync(kDqStagedBarrier + warpgroup, 128);
   }
-  int* semaphore = p.dq_semaphore +
-                   (int64_t(kb.batch) * p.num_heads + st.head) * (p.q_len_padded / kDqTileRows) +
-                   st.m_block * Cfg::kDqRowTiles;
-  if (warpgroup == 0 && thread == 0) {
-    const int turn = dq_turn<Cfg>(p, kb, st.m_block);
-    while (load_acquire(semaphore) != turn) {
+  const int row_tile = st.m_block * Cfg::kDqRowTiles + warpgroup % Cfg::kDqRowTiles;
+  const int slab = warpgroup / Cfg::kDqRowTiles * Cfg::kDqSlabs;
+  float* tile = DqAccum::tile(p.dq_accum, p, kb.batch, st.head, row_tile, slab, Cfg::kSlabs);
+  if constexpr (Cfg::kDqByBulkReduce) {
+    if (p.dq_semaphore == nullptr) {  // nothing here waits for the reduce
+      bulk_reduce_add(tile, staging, Cfg::kDqStageBytes, thread == 0);
+      return;
     }
   }
-  named_barrier_sync(kDqOrderBarrier, kConsumerThreads);
-  asm volatile("fence.proxy.async.global;" ::: "memory");  // the acquire, then async-proxy adds
-  bulk_reduce_add(tile, staging, Cfg::kDqStageBytes, thread == 0);
-  bulk_wait_all<false>();
-  asm volatile("fence.proxy.async.global;" ::: "memory");  // the adds, then the release
-  named_barrier_sync(kDqOrderBarrier, kConsumerThreads);
-  if (warpgroup == 0 && thread == 0) {
-    __threadfence();
-    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
+  int* semaphore = nullptr;
+  if (p.dq_semaphore != nullptr) {
+    semaphore = p.dq_semaphore +
+                (int64_t(kb.batch) * p.num_heads + st.head) * (p.q_len_padded / kDqTileRows) +
+                st.m_block * Cfg::kDqRowTiles;
+    if (warpgroup == 0 && thread == 0) {
+      const int turn = dq_turn<Cfg>(p, kb, st.m_block);
+      while (load_acquire(semaphore) != turn) {
+      }
+    }
+    named_barrier_sync(kDqOrderBarrier, kConsumerThreads);
+  }
+  if constexpr (Cfg::kDqByBulkReduce) {  // deterministic mode here
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // the acquire, then async-proxy adds
+    bulk_reduce_add(tile, staging, Cfg::kDqStageBytes, thread == 0);
+    bulk_wait_all<false>();
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // the adds, then the release
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8 * Cfg::kDqSlabs; ++j)  // the slabs' tiles are adjacent in dq_accum
+      red_add_v4(tile + 4 * thread + 512 * j, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2],
+                 dq[4 * j + 3]);
+  }
+  if (Cfg::kDqByBulkReduce || semaphore != nullptr) {  // bulk: deterministic mode only here
+    named_barrier_sync(kDqOrderBarrier, kConsumerThreads);
+    if (warpgroup == 0 && thread == 0) {
+      __threadfence();
+      asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
+    }
   }
 }
 
-// dK = scale * acc (scale = 1 for dV) for this thread's two key rows; rows past kv_len skipped.
+// dK = scale * acc (scale = 1 for dV) for this thread's two key rows (columns from col0 on:
+// the warpgroup's first column + the lane's); rows past kv_len skipped.
 template <class Cfg>
 __device__ __forceinline__ void store_key_gradient(const BwdParams& p, void* dst,
                                                    const KeyBlock& kb, int key0, int col0,
-                                                   const float (&acc)[Cfg::kHeadDim / 2],
+                                                   const float (&acc)[Cfg::kGradCols / 2],
                                                    float scale) {
   using Element = typename Cfg::Element;
 #pragma unroll
@@ -590,7 +674,7 @@ __device__ __forceinline__ void store_key_gradient(const BwdParams& p, void* dst
                    ((int64_t(kb.batch) * p.kv_len + key) * p.num_kv_heads + kb.kv_head) *
                        Cfg::kHeadDim;
 #pragma unroll
-    for (int c = 0; c < Cfg::kHeadDim / 8; ++c) {
+    for (int c = 0; c < Cfg::kGradCols / 8; ++c) {
       *reinterpret_cast<uint32_t*>(row + 8 * c + col0) =
           pack2<Element>(acc[4 * c + 2 * r] * scale, acc[4 * c + 2 * r + 1] * scale);
     }
@@ -598,7 +682,7 @@ __device__ __forceinline__ void store_key_gradient(const BwdParams& p, void* dst
 }
 
 // One step per (query head, query block); per step the tensor-core queue holds, in order:
-//   S^T, dP^T | dV (RS, P^T) | dQ (SS, both warpgroups' dS^T) | dK (RS, dS^T)
+//   S^T, dP^T | dV (RS, P^T) | dQ (SS, both warpgroups' dS^T) | dK (SS, dS^T)
 // The step ends by waiting for dV and dQ only (wait_group 1) and adding dQ, so the next step's
 // S^T and dP^T are issued while dK still runs: the queue never drains between steps. The dK
 // of step i (dS^T and Q from shared memory) completes before step i + 1's S^T, which is where
@@ -606,22 +690,46 @@ __device__ __forceinline__ void store_key_gradient(const BwdParams& p, void* dst
 // between two shared buffers: buffer i % 2 was last read by step i - 2's dQ GEMMs, which both
 // warpgroups had completed before passing step i - 1's ready barrier, so one barrier per step
 // suffices.
+//
+// Head dim 256 (kSplitHeadDim): the warpgroup's S^T / dP^T cover the block's 64 keys and its
+// kScoreCols queries; its dK, dV and dQ columns are its half of the head dim, and dK / dV sum
+// over all the step's queries. The queue is
+//   S^T, dP^T | dV, dK over its own queries (RS: P^T, dS^T fragments)
+//   | dV over the other warpgroup's queries (SS: P^T), dQ (SS) | dK over the other's (SS)
+// so the own-query halves run during the stores and the barrier. P^T is stored next to dS^T
+// (same layout, two buffers, same reuse argument: the other warpgroup reads it by step i's
+// dV, completed at its wait_group 1). The register fragments of the RS GEMMs die at the
+// step's wait_group 1 (they are older than the last group), not across the back edge.
 template <class Cfg>
 __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t smem,
                              const BwdBarriers& bars, int warpgroup) {
+  constexpr bool kSplit = Cfg::kSplitHeadDim;
   const int thread = threadIdx.x % 128;
   const bool warp_leader = thread % 32 == 0;
   const Lane lane = Lane::of(thread);
-  const int key_lo = kb.n_block * Cfg::kBlockN + 64 * warpgroup;  // this warpgroup's keys
+  // This warpgroup's part of the block: key rows [key_row0, key_row0 + 64), S^T / dP^T query
+  // columns [query_col0, query_col0 + kScoreCols), dK / dV head-dim columns from grad_col0.
+  const int key_row0 = kSplit ? 0 : 64 * warpgroup;
+  const int query_col0 = kSplit ? Cfg::kScoreCols * warpgroup : 0;
+  const int grad_col0 = kSplit ? Cfg::kGradCols * warpgroup : 0;
+  // The queries whose dK part is read from shared memory (dS^T written by the other warpgroup
+  // at head dim 256, this one's rows of the whole tile otherwise), and how many k-steps.
+  const int shared_col0 = kSplit ? Cfg::kScoreCols - query_col0 : 0;
+  constexpr int kSharedSteps = (kSplit ? Cfg::kBlockM - Cfg::kScoreCols : Cfg::kBlockM) / 16;
+  // Byte offset of the warpgroup's first head-dim slab in a Q / dO stage.
+  const uint32_t grad_slab = grad_col0 / 64 * Cfg::kBlockM * 128;
+  const int key_lo = kb.n_block * Cfg::kBlockN + key_row0;  // this warpgroup's keys
   const int key0 = key_lo + lane.row0;
   const uint32_t k_tile = smem + Cfg::kKOffset, v_tile = smem + Cfg::kVOffset;
-  const uint32_t k_rows = k_tile + warpgroup * 64 * 128, v_rows = v_tile + warpgroup * 64 * 128;
-  const int dq_row_tile = warpgroup % Cfg::kDqRowTiles, dq_slab = warpgroup / Cfg::kDqRowTiles;
+  const uint32_t k_rows = k_tile + key_row0 * 128, v_rows = v_tile + key_row0 * 128;
+  const int dq_row_tile = warpgroup % Cfg::kDqRowTiles,
+            dq_slab = warpgroup / Cfg::kDqRowTiles * Cfg::kDqSlabs;
   const uint32_t dq_staging = smem + Cfg::kDqStageOffset + warpgroup * Cfg::kDqStageBytes;
 
-  float dk[Cfg::kHeadDim / 2], dv[Cfg::kHeadDim / 2];  // set by the first step (issue_dv)
+  // Set by the first step (issue_rs_gradient, or issue_ss_gradient for dK at head dims <= 128).
+  float dk[Cfg::kGradCols / 2], dv[Cfg::kGradCols / 2];
   if (kb.steps > 0) mbarrier_wait(bars.kv_full, 0);
-  // The ring position of the step and of the one before (counters: no division by 3).
+  // The ring position of the step and of the one before (counters: no division by kStages).
   int stage = 0, last_stage = Cfg::kStages - 1;
   uint32_t phase = 0;
   for (int it = 0; it < kb.steps; ++it) {
@@ -629,21 +737,22 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     const uint32_t q_tile = smem + Cfg::kQOffset + stage * Cfg::kQBytes;
     const uint32_t do_tile = smem + Cfg::kDoOffset + stage * Cfg::kQBytes;
     const uint32_t ds_tile = smem + Cfg::kDsOffset + (it % 2) * Cfg::kDsBytes;
-    const uint32_t lse = smem + Cfg::kLseOffset + stage * Cfg::kRowStatBytes;
-    const uint32_t dsum = smem + Cfg::kDsumOffset + stage * Cfg::kRowStatBytes;
-    const int query_lo = st.m_block * Cfg::kBlockM;
+    const uint32_t p_tile = smem + Cfg::kPOffset + (it % 2) * Cfg::kPBytes;  // head dim 256
+    const uint32_t lse = smem + Cfg::kLseOffset + stage * Cfg::kRowStatBytes + 4 * query_col0;
+    const uint32_t dsum = smem + Cfg::kDsumOffset + stage * Cfg::kRowStatBytes + 4 * query_col0;
+    const int query_lo = st.m_block * Cfg::kBlockM + query_col0;
     const KeptQueries kept = KeptQueries::of<Cfg>(p, kb, key_lo, key0, query_lo);
     const int query0 = query_lo + lane.col0;
 
-    float s[Cfg::kBlockM / 2], dp[Cfg::kBlockM / 2];
+    float s[Cfg::kScoreCols / 2], dp[Cfg::kScoreCols / 2];
     fresh_accumulator(s);
     fresh_accumulator(dp);
     mbarrier_wait(bars.q_full + 8 * stage, phase);
     wgmma_fence();
-    issue_keys_by_queries<Cfg>(k_rows, q_tile, s);
+    issue_keys_by_queries<Cfg>(k_rows, q_tile + query_col0 * 128, s);
     wgmma_commit();
     mbarrier_wait(bars.do_full + 8 * stage, phase);
-    issue_keys_by_queries<Cfg>(v_rows, do_tile, dp);
+    issue_keys_by_queries<Cfg>(v_rows, do_tile + query_col0 * 128, dp);
     wgmma_commit();
     wgmma_wait<1>();  // S^T, and with it the previous step's dK
     fence_registers(s);
@@ -658,29 +767,45 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
       capped_probabilities_and_gradients<Cfg>(s, dp, p, kept, lse, dsum, query0, lane.col0);
     }
 
-    uint32_t pa[Cfg::kBlockM / 16][4], dsa[Cfg::kBlockM / 16][4];
+    uint32_t pa[Cfg::kScoreCols / 16][4], dsa[Cfg::kScoreCols / 16][4];
     accumulator_to_fragments<typename Cfg::Element>(s, pa);
     accumulator_to_fragments<typename Cfg::Element>(dp, dsa);
     wgmma_fence();
-    issue_dv<Cfg>(pa, do_tile, dv, it == 0);
+    issue_rs_gradient<Cfg, Cfg::kScoreCols / 16>(pa, do_tile + query_col0 * 128 + grad_slab, dv,
+                                                 it == 0);
+    if constexpr (kSplit) {
+      issue_rs_gradient<Cfg, Cfg::kScoreCols / 16>(dsa, q_tile + query_col0 * 128 + grad_slab,
+                                                   dk, it == 0);
+    }
     wgmma_commit();
 
     // The generic-proxy stores must be fenced before the tensor cores (async proxy) read them.
-    store_score_gradients<Cfg>(ds_tile, 64 * warpgroup + 16 * (thread / 32), thread % 32, dsa);
+    store_score_gradients<Cfg>(ds_tile, key_row0 + 16 * (thread / 32), query_col0, thread % 32,
+                               dsa);
+    if constexpr (kSplit)
+      store_score_gradients<Cfg>(p_tile, 16 * (thread / 32), query_col0, thread % 32, pa);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    bulk_wait_all<true>();  // the last step's dQ reduce (thread 0's) has read the staging
+    if constexpr (Cfg::kDqByBulkReduce)
+      bulk_wait_all<true>();  // the last step's dQ reduce (thread 0's) has read the staging
     named_barrier_sync(kDsReadyBarrier, kConsumerThreads);
 
-    float dq[32];
+    float dq[32 * Cfg::kDqSlabs];
     fresh_accumulator(dq);
     wgmma_fence();  // dq was read by the last step's adds
+    if constexpr (kSplit) {
+      issue_ss_gradient<Cfg, kSharedSteps>(p_tile + shared_col0 * 2,
+                                           do_tile + shared_col0 * 128 + grad_slab, dv, false);
+    }
     issue_dq<Cfg>(ds_tile, k_tile, dq_row_tile, dq_slab, dq);
     wgmma_commit();
-    issue_dk<Cfg>(ds_tile + warpgroup * 64 * 128, q_tile, dk, it == 0);
+    issue_ss_gradient<Cfg, kSharedSteps>(ds_tile + key_row0 * 128 + shared_col0 * 2,
+                                         q_tile + shared_col0 * 128 + grad_slab, dk,
+                                         !kSplit && it == 0);
     wgmma_commit();
-    wgmma_wait<1>();  // dV and dQ
+    wgmma_wait<1>();  // dV and dQ (head dim 256: and the RS part of dK)
     fence_registers(dv);
     fence_registers(pa);
+    if constexpr (kSplit) fence_registers(dsa);
     fence_registers(dq);
     add_dq<Cfg>(p, kb, st, warpgroup, thread, dq_staging, dq);
     last_stage = stage;
@@ -691,13 +816,14 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   }
   wgmma_wait<0>();
   fence_registers(dk);
-  bulk_wait_all<true>();  // the staging buffer outlives the last reduce's read
+  if constexpr (Cfg::kDqByBulkReduce)
+    bulk_wait_all<true>();  // the staging buffer outlives the last reduce's read
   if (kb.steps == 0) {  // no query row keeps a key of this block: dK = dV = 0
     zero(dk);
     zero(dv);
   }
-  store_key_gradient<Cfg>(p, p.dk, kb, key0, lane.col0, dk, p.scale);
-  store_key_gradient<Cfg>(p, p.dv, kb, key0, lane.col0, dv, 1.f);
+  store_key_gradient<Cfg>(p, p.dk, kb, key0, lane.col0 + grad_col0, dk, p.scale);
+  store_key_gradient<Cfg>(p, p.dv, kb, key0, lane.col0 + grad_col0, dv, 1.f);
 }
 
 template <class Cfg>
@@ -873,6 +999,10 @@ template <typename Element>
 struct BwdConfigFor<Element, 128> {
   using type = BwdConfig<Element, 128, 64>;
 };
+template <typename Element>
+struct BwdConfigFor<Element, 256> {
+  using type = BwdConfig<Element, 256, 64>;
+};
 
 template <class Cfg>
 cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bool deterministic,
@@ -968,8 +1098,8 @@ const char* V3BackwardUnsupportedReason(const BackwardArgs& a) {
   const AttentionShape& sh = a.fwd.shape;
   if (a.fwd.dtype != DType::kBF16 && a.fwd.dtype != DType::kF16)
     return "v3 backward needs bfloat16 or float16";
-  if (sh.head_dim != 64 && sh.head_dim != 128)
-    return "v3 backward needs head dim 64 or 128 (256: dK and dV do not fit in registers)";
+  if (sh.head_dim != 64 && sh.head_dim != 128 && sh.head_dim != 256)
+    return "v3 backward needs head dim 64, 128 or 256";
   if (a.fwd.bias.data != nullptr || a.dbias != nullptr)
     return "v3 backward does not take a bias tensor";
   if (a.fwd.mask.data != nullptr) return "v3 backward does not take a mask tensor";
@@ -1002,8 +1132,11 @@ cudaError_t V3Backward(const BackwardArgs& args, const V3BackwardWorkspace& work
   if (args.fwd.shape.head_dim == 64)
     return bf16 ? launch_all<__nv_bfloat16, 64>(args, workspace, deterministic, stream)
                 : launch_all<__half, 64>(args, workspace, deterministic, stream);
-  return bf16 ? launch_all<__nv_bfloat16, 128>(args, workspace, deterministic, stream)
-              : launch_all<__half, 128>(args, workspace, deterministic, stream);
+  if (args.fwd.shape.head_dim == 128)
+    return bf16 ? launch_all<__nv_bfloat16, 128>(args, workspace, deterministic, stream)
+                : launch_all<__half, 128>(args, workspace, deterministic, stream);
+  return bf16 ? launch_all<__nv_bfloat16, 256>(args, workspace, deterministic, stream)
+              : launch_all<__half, 256>(args, workspace, deterministic, stream);
 }
 
 }  // namespace jax_flash

@@ -1,13 +1,18 @@
 // Standalone test and benchmark of the v3 Hopper backward (cuda/v3_bwd_sm90.cu), with the v3
 // forward producing out / lse and the v2 backward (cuda/backward.cu) side by side.
 //
-//   check  dq, dk, dv against a float64 CPU reference (every element) on small and odd shapes;
-//          outputs NaN-poisoned before each run; run in both modes; deterministic mode run
-//          twice and compared bitwise
+//   check  dq, dk, dv against a float64 CPU reference (every element) on small and odd shapes,
+//          head dims 64, 128 and 256; outputs NaN-poisoned before each run; run in both
+//          modes; deterministic mode run twice and compared bitwise
+//   small  three check cases (H = 128, 64, 256) for compute-sanitizer
 //   bench  the 18 configs of /work/shared/BENCHMARK.md: v3 backward against the v2 backward
 //          (every element: max abs and rel. L2 between them) plus a NaN scan, then cudaEvent
 //          timings (median) of fwd, bwd and fwd+bwd in TFLOP/s (fwd+bwd = 3.5 x forward
 //          FLOPs, bwd = 2.5 x), v3 and v2 backward side by side; deterministic mode timed too.
+//   --bench-v3  the same without the v2 timings of H = 64 / 128 (v2 is still timed at H = 256,
+//          where it served the gradients before the v3 backward took that head dim)
+//   --bench-one H T causal  one grid row (v2 timed when H = 256); profile H T causal: two
+//          plain v3 backward runs of that row (for ncu)
 //
 // Build: tests/gpu/build_v3_bwd.sh (static cudart; runs on the H200 unchanged).
 // Exit status: 0 when every check passed.
@@ -301,6 +306,29 @@ std::vector<Case> check_cases() {
   v2.q_seqlens = {133, 200};
   v2.kv_seqlens = {300, 45};
   cs.push_back(v2);
+  // Head dim 256 (64-key blocks, the head dim split between the consumer warpgroups).
+  cs.push_back({bf, 1, 1, 1, 1, 1, 256});
+  cs.push_back({hf, 1, 97, 97, 4, 4, 256, true});
+  cs.push_back({bf, 1, 1030, 1030, 2, 2, 256});
+  cs.push_back({bf, 2, 130, 333, 4, 1, 256});         // T < S, GQA 4:1
+  cs.push_back({hf, 1, 333, 130, 8, 2, 256, true});  // T > S, GQA 4:1
+  Case w256{bf, 1, 257, 257, 4, 1, 256};
+  w256.window_left = 50;
+  w256.window_right = 20;
+  cs.push_back(w256);
+  Case sw256{hf, 1, 600, 600, 2, 2, 256, true};
+  sw256.window_left = 100;
+  cs.push_back(sw256);
+  Case sc256{hf, 2, 100, 700, 2, 2, 256};
+  sc256.softcap = 30.f;
+  cs.push_back(sc256);
+  Case scc256{bf, 1, 300, 300, 4, 2, 256, true};
+  scc256.softcap = 5.f;
+  cs.push_back(scc256);
+  Case vl256{bf, 3, 150, 170, 4, 2, 256, true};
+  vl256.q_seqlens = {150, 77, 0};
+  vl256.kv_seqlens = {170, 1, 90};
+  cs.push_back(vl256);
   return cs;
 }
 
@@ -343,14 +371,15 @@ bool check_case(const Case& c, uint64_t seed) {
 
 // ---- bench ------------------------------------------------------------------------------------
 
-// with_v2: also time the v2 backward (v2 always runs once, as the reference of the agreement
-// check).
-bool bench(const std::vector<Case>& cases, int reps, bool with_v2) {
+// The v2 backward is timed for the rows with H >= v2_from_head_dim (v2 always runs once, as
+// the reference of the agreement check).
+bool bench(const std::vector<Case>& cases, int reps, int64_t v2_from_head_dim) {
   bool all_ok = true;
   std::vector<std::string> table;
   uint64_t seed = 2000;
   for (const Case& c : cases) {
     Problem pb(c, ++seed);
+    const bool with_v2 = c.H >= v2_from_head_dim;
     const bool has_v3 = jax_flash::V3BackwardUnsupportedReason(pb.backward_args()) == nullptr;
     // v2 is the float64-verified backward: v3 must agree with it on every element.
     pb.poison();
@@ -407,7 +436,7 @@ bool bench(const std::vector<Case>& cases, int reps, bool with_v2) {
   }
   std::printf(
       "\nfwd+bwd, bf16, cudaEvent median of %d (ms, TFLOP/s; bwd = 2.5x, fwd+bwd = 3.5x forward "
-      "FLOPs; fwd = v3 forward; nan = v3 backward does not run this head dim)\n",
+      "FLOPs; fwd = v3 forward; nan = not timed: v2 below H = 256 in --bench-v3 / --bench-one)\n",
       reps);
   std::printf("   H      T c |  fwd ms  fwd TF | v3b ms  v3b TF  v2b ms  v2b TF | f+b(v3) f+b(v2) "
               "| v3b-det ms\n");
@@ -441,13 +470,14 @@ int main(int argc, char** argv) {
       c.kv_seqlens = {200, 120};
       ok &= check_case(c, 7);
       ok &= check_case({DType::kF16, 1, 130, 90, 2, 1, 64}, 8);
+      Case c256{DType::kBF16, 2, 150, 200, 4, 2, 256, true};
+      c256.q_seqlens = {150, 100};
+      c256.kv_seqlens = {200, 120};
+      ok &= check_case(c256, 9);
     } else if (mode == "--bench" || mode == "bench") {
-      ok &= bench(grid_cases(), 10, true);
-    } else if (mode == "--bench-v3") {  // the head dims v3 runs, without v2 timings
-      std::vector<Case> cs;
-      for (const Case& c : grid_cases())
-        if (c.H != 256) cs.push_back(c);
-      ok &= bench(cs, 10, false);
+      ok &= bench(grid_cases(), 10, 0);
+    } else if (mode == "--bench-v3") {  // v2 timed only where it is today's path (H = 256)
+      ok &= bench(grid_cases(), 10, 256);
     } else if ((mode == "--bench-one" || mode == "profile") && i + 3 < argc) {
       // One grid config: H T causal. profile: two plain v3 backward runs (for ncu).
       const int64_t h = std::atoll(argv[i + 1]), t = std::atoll(argv[i + 2]);
@@ -465,7 +495,7 @@ int main(int argc, char** argv) {
         for (int r = 0; r < 2; ++r) CUDA_CHECK(pb.launch_v3(false));
         CUDA_CHECK(cudaDeviceSynchronize());
       } else {
-        ok &= bench(cs, 10, false);
+        ok &= bench(cs, 10, 256);
       }
     } else {
       std::fprintf(stderr, kUsage, argv[0]);
