@@ -92,6 +92,45 @@ __device__ __forceinline__ void tma_load_tile(const CUtensorMap* map, uint32_t d
   }
 }
 
+// Stores one box of 64 columns x the map's box rows from shared memory at src (128-byte
+// swizzled, as tma_load_tile writes it) to (col, row, head, batch); rows past the tensor's end
+// are not written. Completion is tracked by bulk groups (bulk_commit / bulk_wait_*).
+__device__ __forceinline__ void tma_store_box(const CUtensorMap* map, uint32_t src, int col,
+                                              int row, int head, int batch) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(col), "r"(row), "r"(head), "r"(batch), "r"(src)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// Waits until every bulk group this thread committed has completed (its writes are done).
+__device__ __forceinline__ void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+// When `pred`: waits until this thread's committed bulk groups have read their shared-memory
+// sources, then arrives on `bar`. Predicated inside one asm, not branched around, so that it can
+// sit between wgmma issue and wait without a divergent path in the wgmma region.
+__device__ __forceinline__ void bulk_read_wait_then_arrive_if(bool pred, uint32_t bar) {
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      " setp.ne.b32 p, %0, 0;\n"
+      " @p cp.async.bulk.wait_group.read 0;\n"
+      " @p mbarrier.arrive.shared::cta.b64 _, [%1];\n}" ::"r"(uint32_t(pred)),
+      "r"(bar)
+      : "memory");
+}
+// Makes this thread's generic-proxy shared-memory writes visible to later async-proxy (TMA)
+// reads; a barrier must still order them with the thread that issues the TMA.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void st_shared_b32(uint32_t address, uint32_t value) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(value) : "memory");
+}
+
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 }

@@ -15,6 +15,10 @@
 //     softmax of S_j runs while the tensor cores still work on PV_{j+1}.
 //   * inter-warpgroup ("pingpong"): a ring of named barriers lets one consumer warpgroup issue
 //     its GEMMs at a time, so one warpgroup's softmax overlaps the other's GEMMs.
+//   * across tiles (head dims 64 and 128, where two Q buffers fit): the producer loads the next
+//     tile's Q while this one runs, and each consumer warpgroup writes its output into its own
+//     rows of the finished tile's Q buffer and stores it with TMA, so that it starts the next
+//     tile at once (stage_output). Head dim 256 stores from registers after the tile.
 //   * setmaxnreg moves registers from the producer (which needs few) to the consumers.
 //   * persistent grid, static schedule: CTA i takes work units i, i + grid, ... A unit is one
 //     tile, or under causal masking the pair of m-blocks {last - k, k}, whose costs add up to
@@ -76,23 +80,31 @@ struct Config {
   static constexpr int kSlabs = kHeadDim / 64;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V stage
-  static constexpr int kKOffset = kQBytes;
+  static constexpr int kSmemLimit = 227 * 1024;
+  // Two Q buffers where they fit (head dims 64 and 128; not 256): the next tile's Q loads while
+  // this tile runs, and each tile's output is staged in its own Q buffer and stored by TMA (see
+  // stage_output). With one buffer, Q waits for the previous tile's last S GEMM and the output
+  // goes from registers to global memory.
+  static constexpr int kQBuffers =
+      2 * kQBytes + 2 * kStages * kKVBytes + 8 * (4 + 4 * kStages) + 1024 <= kSmemLimit ? 2 : 1;
+  static constexpr bool kStageOutput = kQBuffers == 2;
+  static constexpr int kKOffset = kQBuffers * kQBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKVBytes;
   static constexpr int kBarrierOffset = kVOffset + kStages * kKVBytes;
-  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages);
+  static constexpr int kBarrierBytes = 8 * (2 * kQBuffers + 4 * kStages);
   static constexpr int kSmemBytes = kBarrierOffset + kBarrierBytes + 1024;  // + base alignment
-  static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
+  static_assert(kSmemBytes <= kSmemLimit, "tile does not fit in shared memory");
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
 };
 
-// The mbarriers, in order, at kBarrierOffset.
+// The mbarriers, in order, at kBarrierOffset: one per Q buffer / K or V stage, 8 bytes apart.
 struct BarrierAddresses {
-  uint32_t q_full, q_empty, k_full, k_empty, v_full, v_empty;  // k_* / v_*: stage 0
+  uint32_t q_full, q_empty, k_full, k_empty, v_full, v_empty;  // of buffer / stage 0
   template <class Cfg>
   __device__ static BarrierAddresses at(uint32_t base) {
-    constexpr int s = Cfg::kStages;
-    return {base, base + 8, base + 16, base + 16 + 8 * s, base + 16 + 16 * s,
-            base + 16 + 24 * s};
+    constexpr int s = Cfg::kStages, q = Cfg::kQBuffers;
+    const uint32_t kv = base + 16 * q;
+    return {base, base + 8 * q, kv, kv + 8 * s, kv + 16 * s, kv + 24 * s};
   }
 };
 
@@ -100,6 +112,7 @@ struct BarrierAddresses {
 // so the tensor maps stay in parameter space where TMA can read them.
 struct Params {
   CUtensorMap tma_q, tma_k, tma_v;
+  CUtensorMap tma_o;  // boxes of 64 rows (one consumer warpgroup); encoded when kStageOutput
   void* out;
   float* lse;
   const int32_t* q_seqlens;   // may be null: all T rows valid
@@ -202,12 +215,26 @@ __device__ bool decode_tile(const Params& p, int unit, bool second, Tile& t) {
 // Producer: one thread streams Q, then K_j and V_j for j from the last key block down
 // ------------------------------------------------------------------------------------------
 
-// Streams one tile's K_j, V_j (j from the last key block down) and, with its first K, the Q.
+// Streams one tile's Q and its K_j, V_j (j from the last key block down). q_count: non-empty
+// tiles so far, which selects the Q buffer and its phase.
 template <class Cfg>
 __device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uint32_t smem,
                                              const BarrierAddresses& bars, int& block_count,
-                                             uint32_t& q_phase) {
+                                             int& q_count) {
   const int kv_head = t.head / p.heads_per_kv;
+  const int q_buffer = q_count % Cfg::kQBuffers;
+  const uint32_t q_phase = (q_count / Cfg::kQBuffers) & 1;
+  ++q_count;
+  const auto load_q = [&] {
+    mbarrier_wait(bars.q_empty + 8 * q_buffer, q_phase ^ 1);
+    mbarrier_arrive_expect_tx(bars.q_full + 8 * q_buffer, Cfg::kQBytes);
+    tma_load_tile<Cfg::kSlabs, Cfg::kBlockM>(&p.tma_q, smem + q_buffer * Cfg::kQBytes,
+                                             bars.q_full + 8 * q_buffer,
+                                             t.m_block * Cfg::kBlockM, t.head, t.batch);
+  };
+  // Two buffers: this one was released early in the previous tile, so Q goes ahead of the
+  // ring (it is then in flight for about two key blocks before the tile starts).
+  if constexpr (Cfg::kQBuffers > 1) load_q();
   for (int nb = t.n_max - 1; nb >= t.n_min; --nb, ++block_count) {
     const int stage = block_count % Cfg::kStages;
     const uint32_t phase = (block_count / Cfg::kStages) & 1;
@@ -218,12 +245,10 @@ __device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uin
     mbarrier_arrive_expect_tx(bars.k_full + 8 * stage, Cfg::kKVBytes);
     tma_load_tile<Cfg::kSlabs, Cfg::kBlockN>(&p.tma_k, k_dst, bars.k_full + 8 * stage,
                                              nb * Cfg::kBlockN, kv_head, t.batch);
-    if (nb == t.n_max - 1) {  // the tile's Q, once every consumer warp released the last one
-      mbarrier_wait(bars.q_empty, q_phase ^ 1);
-      mbarrier_arrive_expect_tx(bars.q_full, Cfg::kQBytes);
-      tma_load_tile<Cfg::kSlabs, Cfg::kBlockM>(&p.tma_q, smem, bars.q_full,
-                                               t.m_block * Cfg::kBlockM, t.head, t.batch);
-      q_phase ^= 1;
+    // One buffer: Q waits until every consumer warp released the last tile's, so the first K
+    // goes ahead of it.
+    if constexpr (Cfg::kQBuffers == 1) {
+      if (nb == t.n_max - 1) load_q();
     }
     mbarrier_wait(bars.v_empty + 8 * stage, phase ^ 1);
     mbarrier_arrive_expect_tx(bars.v_full + 8 * stage, Cfg::kKVBytes);
@@ -237,13 +262,16 @@ __device__ void run_producer(const Params& p, uint32_t smem, BarrierAddresses ba
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_q)));
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_k)));
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_v)));
+  if constexpr (Cfg::kStageOutput) {  // for the consumers' output stores
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_o)));
+  }
   int block_count = 0;  // key blocks loaded so far, over all tiles: selects stage and phase
-  uint32_t q_phase = 0;
+  int q_count = 0;
   for (int unit = blockIdx.x; unit < p.num_units; unit += gridDim.x) {
     for (int second = 0; second < 2; ++second) {
       Tile t;
       if (!decode_tile<Cfg>(p, unit, second, t)) break;
-      if (!t.empty()) produce_tile<Cfg>(p, t, smem, bars, block_count, q_phase);
+      if (!t.empty()) produce_tile<Cfg>(p, t, smem, bars, block_count, q_count);
     }
   }
 }
@@ -366,46 +394,106 @@ __device__ __forceinline__ void rescale_output(float (&o)[Cfg::kHeadDim / 2],
   for (int i = 0; i < Cfg::kHeadDim / 2; ++i) o[i] *= o_scale[(i / 2) % 2];
 }
 
-// out = o / sum and lse for this thread's two rows; out rows past q_len are not stored.
+// 1 / row sum of this thread's two rows (0 for a row with no kept key) into inv_sum, and their
+// lse written for rows < q_len (by the lane that holds column 0 of the row).
 template <class Cfg>
-__device__ __forceinline__ void store_output(const Params& p, const Tile& t, int row,
-                                             int col0, const float (&o)[Cfg::kHeadDim / 2],
-                                             const RowStats& st, bool writes_lse) {
-  using Element = typename Cfg::Element;
+__device__ __forceinline__ void finish_rows(const Params& p, const Tile& t, int row,
+                                            const RowStats& st, bool writes_lse,
+                                            float (&inv_sum)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int q = row + 8 * r;
     const float sum = quad_sum(st.sum[r]);
     const bool none_kept = st.max[r] == -INFINITY;
-    const float inv_sum = none_kept ? 0.f : 1.f / sum;
-    if (q >= p.q_len) continue;
-    const int64_t bnt = (int64_t(t.batch) * p.num_heads + t.head) * p.q_len + q;
-    if (writes_lse) {
-      p.lse[bnt] = none_kept ? -INFINITY : (st.max[r] * p.scale_log2 + __log2f(sum)) * kLn2;
+    inv_sum[r] = none_kept ? 0.f : 1.f / sum;
+    if (writes_lse && q < p.q_len) {
+      p.lse[(int64_t(t.batch) * p.num_heads + t.head) * p.q_len + q] =
+          none_kept ? -INFINITY : (st.max[r] * p.scale_log2 + __log2f(sum)) * kLn2;
     }
+  }
+}
+
+// out = o / sum and lse for this thread's two rows, from registers; rows past q_len are not
+// stored. Used when there is no second Q buffer to stage the output in, and for empty tiles.
+template <class Cfg>
+__device__ __forceinline__ void store_output(const Params& p, const Tile& t, int row,
+                                             int col0, const float (&o)[Cfg::kHeadDim / 2],
+                                             const RowStats& st, bool writes_lse) {
+  using Element = typename Cfg::Element;
+  float inv_sum[2];
+  finish_rows<Cfg>(p, t, row, st, writes_lse, inv_sum);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q = row + 8 * r;
+    if (q >= p.q_len) continue;
     Element* out_row = static_cast<Element*>(p.out) +
                        ((int64_t(t.batch) * p.q_len + q) * p.num_heads + t.head) * Cfg::kHeadDim;
 #pragma unroll
     for (int c = 0; c < Cfg::kHeadDim / 8; ++c) {
       *reinterpret_cast<uint32_t*>(out_row + 8 * c + col0) =
-          pack2<Element>(o[4 * c + 2 * r] * inv_sum, o[4 * c + 2 * r + 1] * inv_sum);
+          pack2<Element>(o[4 * c + 2 * r] * inv_sum[r], o[4 * c + 2 * r + 1] * inv_sum[r]);
     }
   }
 }
 
-// Named barrier ids 1..W: barrier w lets consumer warpgroup w issue its GEMMs next.
+// Named barrier ids 1..W: barrier w lets consumer warpgroup w issue its GEMMs next. Ids
+// W+1..2W: consumer warpgroup w's 128 threads before its output store (stage_output).
 __device__ __forceinline__ int scheduler_barrier(int warpgroup) { return 1 + warpgroup; }
+template <class Cfg>
+__device__ __forceinline__ int output_barrier(int warpgroup) {
+  return 1 + Cfg::kConsumerWarpgroups + warpgroup;
+}
 
 // What one consumer warpgroup keeps across tiles: its place in the CTA and in the pipelines.
 struct ConsumerState {
   int warpgroup;
   bool warp_leader;  // arrives on "empty" barriers for its warp
+  bool leader;       // thread 0 of the warpgroup: issues and waits for its output stores
   Lane lane;
   int my_barrier, next_barrier;  // pingpong: wait for my turn, then pass it on
-  uint32_t q_rows;               // shared address of this warpgroup's first Q row (slab 0)
-  int block_count;               // key blocks consumed so far: selects stage and phase
-  uint32_t q_phase;
+  uint32_t q_rows;  // shared address of this warpgroup's first Q row (slab 0) in Q buffer 0
+  int block_count;  // key blocks consumed so far: selects stage and phase
+  int q_count;      // non-empty tiles so far: selects Q buffer and phase
 };
+
+// The output of this warpgroup's 64 rows (q_rows: in the tile's Q buffer, which no S GEMM of
+// this warpgroup reads any more) goes to shared memory in the layout TMA loaded Q in, then one
+// thread stores it with TMA, so that the warpgroup can start its next tile while the store
+// runs. The Q buffer is released to the producer once the store has read it (in consume_tile,
+// during the next tile's first S GEMM), which is why this needs two Q buffers.
+template <class Cfg>
+__device__ __forceinline__ void stage_output(const Params& p, const Tile& t,
+                                             const ConsumerState& c, uint32_t q_rows,
+                                             const float (&o)[Cfg::kHeadDim / 2],
+                                             const RowStats& st) {
+  using Element = typename Cfg::Element;
+  const int row_lo = t.m_block * Cfg::kBlockM + c.warpgroup * 64;
+  float inv_sum[2];
+  finish_rows<Cfg>(p, t, row_lo + c.lane.row0, st, c.lane.col0 == 0, inv_sum);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = c.lane.row0 + 8 * r;  // in the warpgroup's 64; row % 8 = lane / 4
+#pragma unroll
+    for (int ch = 0; ch < Cfg::kHeadDim / 8; ++ch) {
+      // 128-byte swizzle: 16-byte chunk k of a 128-byte row sits at chunk k ^ (row % 8); the
+      // 8 rows x 4 lanes of one store hit 32 different banks.
+      const uint32_t address = q_rows + (ch / 8) * (Cfg::kBlockM * 128) + row * 128 +
+                               (((ch % 8) ^ (row % 8)) << 4) + c.lane.col0 * 2;
+      st_shared_b32(address, pack2<Element>(o[4 * ch + 2 * r] * inv_sum[r],
+                                            o[4 * ch + 2 * r + 1] * inv_sum[r]));
+    }
+  }
+  fence_proxy_async_shared();
+  named_barrier_sync(output_barrier<Cfg>(c.warpgroup), 128);
+  if (c.leader) {
+#pragma unroll
+    for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
+      tma_store_box(&p.tma_o, q_rows + slab * (Cfg::kBlockM * 128), slab * 64, row_lo, t.head,
+                    t.batch);
+    }
+    bulk_commit();
+  }
+}
 
 // Issues this warpgroup's GEMMs in its pingpong turn: wait for it, issue, pass it on.
 template <class IssueGemms>
@@ -426,7 +514,9 @@ __device__ __forceinline__ void take_scores(const Params& p, const Tile& t,
   fence_registers(s);
   if (c.warp_leader) {
     mbarrier_arrive(bars.k_empty + 8 * stage);
-    if (nb == t.n_min) mbarrier_arrive(bars.q_empty);
+    // One Q buffer: released after the tile's last S (two: after the output store, see
+    // stage_output).
+    if (!Cfg::kStageOutput && nb == t.n_min) mbarrier_arrive(bars.q_empty);
   }
   shape_scores<Cfg>(s, p, t, row_lo + c.lane.row0, nb * Cfg::kBlockN + c.lane.col0,
                     block_needs_mask<Cfg>(p, t, row_lo, nb));
@@ -460,8 +550,9 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
   for (int i = 0; i < Cfg::kHeadDim / 2; ++i) o[i] = 0.f;
 
   if (!t.empty()) {
-    mbarrier_wait(bars.q_full, c.q_phase);
-    c.q_phase ^= 1;
+    const int q_buffer = c.q_count % Cfg::kQBuffers;
+    const uint32_t q_rows = c.q_rows + q_buffer * Cfg::kQBytes;
+    mbarrier_wait(bars.q_full + 8 * q_buffer, (c.q_count / Cfg::kQBuffers) & 1);
     float o_scale[2];
     // First key block: scores and softmax only.
     {
@@ -469,9 +560,16 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
       const int stage = c.block_count % kStages;
       mbarrier_wait(bars.k_full + 8 * stage, phase(c.block_count));
       issue_in_turn(c, [&] {
-        issue_qk<Cfg>(c.q_rows, k_tile(stage), s);
+        issue_qk<Cfg>(q_rows, k_tile(stage), s);
         wgmma_commit();
       });
+      // While it runs: the previous tile's output store has long been issued; once it has
+      // read its Q buffer, hand that buffer to the producer for the next tile's Q.
+      if constexpr (Cfg::kStageOutput) {
+        bulk_read_wait_then_arrive_if(
+            c.leader && c.q_count > 0,
+            bars.q_empty + 8 * ((c.q_count + Cfg::kQBuffers - 1) % Cfg::kQBuffers));
+      }
       wgmma_wait<0>();
       take_scores<Cfg>(p, t, bars, c, stage, nb, row_lo, s);
       online_softmax<Cfg, true>(s, st, p.scale_log2, o_scale);
@@ -485,7 +583,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
       mbarrier_wait(bars.k_full + 8 * stage, phase(c.block_count));
       mbarrier_wait(bars.v_full + 8 * prev, phase(c.block_count - 1));
       issue_in_turn(c, [&] {
-        issue_qk<Cfg>(c.q_rows, k_tile(stage), s);
+        issue_qk<Cfg>(q_rows, k_tile(stage), s);
         wgmma_commit();
         issue_pv<Cfg>(pa, v_tile(prev), o);
         wgmma_commit();
@@ -507,7 +605,13 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     });
     wgmma_wait<0>();
     take_output<Cfg>(bars, c, prev, o, pa);
+    ++c.q_count;
+    if constexpr (Cfg::kStageOutput) {
+      stage_output<Cfg>(p, t, c, q_rows, o, st);
+      return;
+    }
   }
+  // No Q buffer to stage the output in (one buffer, or an empty tile, which loaded no Q).
   store_output<Cfg>(p, t, row_lo + c.lane.row0, c.lane.col0, o, st, c.lane.col0 == 0);
 }
 
@@ -522,9 +626,10 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
   c.lane = Lane::of(thread);
   c.my_barrier = scheduler_barrier(warpgroup);
   c.next_barrier = scheduler_barrier((warpgroup + 1) % W);
+  c.leader = thread == 0;
   c.q_rows = smem + warpgroup * 64 * 128;
   c.block_count = 0;
-  c.q_phase = 0;
+  c.q_count = 0;
 
   // The first warpgroup goes first.
   if (warpgroup == W - 1) named_barrier_arrive(scheduler_barrier(0), 256);
@@ -539,6 +644,8 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
       consume_tile<Cfg>(p, t, smem, bars, c, o, s, pa);
     }
   }
+  // The shared memory the output stores read must outlive them; wait for them to finish.
+  if (Cfg::kStageOutput && c.leader) bulk_wait_all();
 }
 
 template <class Cfg>
@@ -548,9 +655,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
   const uint32_t smem = (smem_address(smem_raw) + 1023) & ~1023u;
   const BarrierAddresses bars = BarrierAddresses::at<Cfg>(smem + Cfg::kBarrierOffset);
   constexpr uint32_t kEmptyArrivals = 4 * Cfg::kConsumerWarpgroups;  // one per consumer warp
+  // A staged Q buffer is released by the one thread per warpgroup that stored the output.
+  constexpr uint32_t kQEmptyArrivals =
+      Cfg::kStageOutput ? Cfg::kConsumerWarpgroups : kEmptyArrivals;
   if (threadIdx.x == 0) {
-    mbarrier_init(bars.q_full, 1);
-    mbarrier_init(bars.q_empty, kEmptyArrivals);
+    for (int b = 0; b < Cfg::kQBuffers; ++b) {
+      mbarrier_init(bars.q_full + 8 * b, 1);
+      mbarrier_init(bars.q_empty + 8 * b, kQEmptyArrivals);
+    }
     for (int s = 0; s < Cfg::kStages; ++s) {
       mbarrier_init(bars.k_full + 8 * s, 1);
       mbarrier_init(bars.k_empty + 8 * s, kEmptyArrivals);
@@ -621,7 +733,9 @@ cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
       !encode_tensor_map(&p.tma_k, a.k, a.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
                          sh.head_dim, Cfg::kBlockN) ||
       !encode_tensor_map(&p.tma_v, a.v, a.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
-                         sh.head_dim, Cfg::kBlockN)) {
+                         sh.head_dim, Cfg::kBlockN) ||
+      (Cfg::kStageOutput && !encode_tensor_map(&p.tma_o, a.out, a.dtype, sh.batch, sh.q_len,
+                                               sh.num_heads, sh.head_dim, 64))) {
     return cudaErrorInvalidValue;
   }
   p.out = a.out;

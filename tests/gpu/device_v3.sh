@@ -26,8 +26,9 @@ for step in $STEPS; do
       rc=$?
       summary "$TAG check rc=$rc ($(grep -c '^ok' "$OUT/$TAG.check.log") ok, $(grep -c '^FAIL' "$OUT/$TAG.check.log") FAIL)"
       grep -E '^FAIL|failed|error' "$OUT/$TAG.check.log" | head -20
-      if [ $rc -eq 124 ]; then  # a hang: rerun the debug build, whose waits trap and report
-        timeout 60 .carry/harness_v3_hangtrap small >"$OUT/hang.log" 2>&1
+      if [ $rc -eq 124 ]; then  # a hang: rerun the debug build (${HARNESS}_hangtrap, built
+        # with -DJAX_FLASH_V3_HANG_TRAP), whose waits trap and report
+        timeout 60 "${HARNESS}_hangtrap" small >"$OUT/hang.log" 2>&1
         summary "hang-trap build rc=$?"; head -30 "$OUT/hang.log"
         exit 1
       fi ;;

@@ -3,7 +3,7 @@
 //   check  correctness on small and odd shapes against a float64 CPU reference (every row),
 //          for every compiled tuning variant; outputs poisoned first; run twice, compared
 //          bitwise (a difference between identical runs is a race)
-//   small  three small cases (for compute-sanitizer)
+//   small  four small cases (for compute-sanitizer), one with several tiles per CTA
 //   bench  the 18 configs of /work/shared/BENCHMARK.md: a float64 check of sampled rows plus a
 //          NaN scan of every output, then cudaEvent timings (median of repeats) in TFLOP/s,
 //          for every compiled tuning variant
@@ -316,6 +316,14 @@ std::vector<Case> check_cases() {
   // Head dim 64 from these lengths on runs the 192-row tile (use_tall_tile in the kernel).
   cs.push_back({bf, 1, 2100, 2100, 2, 1, 64});
   cs.push_back({hf, 1, 8200, 8200, 1, 1, 64, true});
+  // More work units than SMs, so that every CTA runs several tiles: the two-buffer Q ring wraps
+  // (its phases flip, outputs are stored by TMA from a buffer the producer refills two tiles
+  // later), and q_seqlens put empty tiles (output from registers) between staged ones.
+  cs.push_back({bf, 16, 256, 256, 16, 4, 64});
+  Case many{hf, 8, 640, 640, 8, 8, 128, true};
+  many.q_seqlens = {640, 0, 300, 640, 1, 640, 129, 500};
+  cs.push_back(many);
+  cs.push_back({bf, 12, 256, 256, 8, 2, 256});
   return cs;
 }
 
@@ -417,6 +425,7 @@ int main(int argc, char** argv) {
       ok &= check_case(c, 7);
       ok &= check_case({DType::kF16, 1, 70, 90, 2, 1, 256}, 8);
       ok &= check_case({DType::kBF16, 1, 130, 130, 2, 2, 64, true}, 9);
+      ok &= check_case({DType::kBF16, 8, 384, 384, 12, 4, 64}, 10);  // 288 tiles: several per CTA
     } else if (mode == "bench") {
       ok &= bench(10);
     } else {
