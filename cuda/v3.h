@@ -38,7 +38,7 @@ cudaError_t V3Forward(const ForwardArgs& args, cudaStream_t stream);
 cudaError_t V3ForwardTuned(const ForwardArgs& args, const V3Tuning& tuning, cudaStream_t stream);
 
 // ---- Backward (cuda/v3_bwd_sm90.cu; FFI target jax_flash_v3_bwd in xla_ffi/gpu_v3.cc) ----
-// bf16 / fp16, head dims 64 and 128, no bias or mask tensor (v2's backward serves those).
+// bf16 / fp16, head dims 64, 128 and 256, no bias or mask tensor (v2's backward serves those).
 
 // Device workspaces of V3Backward, owned by the caller until the work completes (the FFI
 // handler gets them as extra outputs). Sizes: V3BackwardWorkspaceSizes. None needs clearing.

@@ -1,9 +1,8 @@
 // v3 backward: the Hopper (sm_90a) FlashAttention backward (FlashAttention-3 style).
 //
-// STATUS (2026-11-30): head dims 64 / 128 run on the H200 (tests/gpu/harness_v3_bwd.cu:
+// Head dims 64, 128 and 256, tested and measured on the H200 (tests/gpu/harness_v3_bwd.cu:
 // float64 check, memcheck, benchmark; numbers in docs/perf-notes-v3.md, section "v3
-// backward"); head dim 256 (below) is compiled only, NOT yet run on a GPU, and the Python
-// schedule still sends its gradients to v2 (jax_flash/schedules/v3.py). Wired as the FFI
+// backward"). Wired as the FFI
 // target "jax_flash_v3_bwd" (xla_ffi/gpu_v3.cc, jax_flash/schedules/v3.py): outputs dq, dk,
 // dv, then the four workspaces of V3BackwardWorkspaceSizes (cuda/v3.h), none of which the
 // caller needs to clear (preprocess clears dq_accum and the semaphores).

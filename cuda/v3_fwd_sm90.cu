@@ -840,6 +840,10 @@ const char* V3ForwardUnsupportedReason(const ForwardArgs& a) {
   if (sh.q_len >= (int64_t(1) << 31) || sh.kv_len >= (int64_t(1) << 31) ||
       sh.batch * sh.num_heads * ((sh.q_len + 63) / 64) >= (int64_t(1) << 31))
     return "v3 indexes rows and tiles with 32-bit integers";
+  // TMA loads q, k, v and stores out: their global addresses must be 16-byte aligned.
+  for (const void* p : {a.q, a.k, a.v, static_cast<const void*>(a.out)})
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
+      return "v3 needs q, k, v and out 16-byte aligned (TMA)";
   DeviceInfo info;
   if (current_device_info(&info) != cudaSuccess) return "no CUDA device";
   if (info.major != 9 || info.minor != 0) return "v3 needs an sm_90 (Hopper) device";

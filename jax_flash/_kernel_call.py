@@ -59,13 +59,12 @@ def _raw_backward(schedule: Schedule, config: AttentionConfig, q, k, v, bias, ma
   b, t, n, _ = q.shape
   s = k.shape[1]
   dbias_shape = (b, n, t, s) if bias is not None else _DUMMY_SHAPE
-  served_by = schedule.backward_schedule(shape, config)
   outputs = (jax.ShapeDtypeStruct(q.shape, q.dtype),
              jax.ShapeDtypeStruct(k.shape, k.dtype),
              jax.ShapeDtypeStruct(v.shape, v.dtype),
              jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
-             *served_by.backward_workspaces(shape, q.dtype))
-  call = jax.ffi.ffi_call(served_by.backward_target, outputs)
+             *schedule.backward_workspaces(shape, q.dtype))
+  call = jax.ffi.ffi_call(schedule.backward_target, outputs)
   dq, dk, dv, dbias, *_ = call(
       *_standard_inputs(q, k, v, bias, mask, q_seqlens, kv_seqlens), out, lse, dout,
       **_attributes(config))

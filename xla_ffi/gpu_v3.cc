@@ -6,8 +6,8 @@
 //     floats, and one size keeps the Python side free of the attribute):
 //       dq_accum f32 [B, N, T_pad, H], dsum f32 [B, N, T_pad], lse_log2 f32 [B, N, T_pad],
 //       dq_semaphore s32 [B * N * T_pad / 64]            (T_pad = T rounded up to 128)
-//     kernels cuda/v3_bwd_sm90.cu. Calls outside its envelope (head dim 256, bias, mask) are
-//     routed to the v2 backward by jax_flash/schedules/v3.py; here they are refused.
+//     kernels cuda/v3_bwd_sm90.cu. Calls outside its envelope (bias, mask) never reach it: the
+//     dispatch sends them to v2 (jax_flash/schedules/v3.py); here they are refused.
 #include <cuda_runtime.h>
 
 #include <string>

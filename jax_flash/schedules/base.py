@@ -47,11 +47,6 @@ class Schedule:
   backward_workspaces: WorkspaceFn = no_workspaces
   # Extra predicate: returns a reason string when a call is outside the kernel's envelope.
   extra_check: Callable[[AttentionShape, AttentionConfig], str | None] | None = None
-  # When the backward target serves only part of the forward's envelope: backward_check returns
-  # a reason for the calls it cannot take, and those go to backward_fallback's backward target
-  # (same convention: it recomputes from q, k, v, out and lse).
-  backward_check: Callable[[AttentionShape, AttentionConfig], str | None] | None = None
-  backward_fallback: "Schedule | None" = None
   # Whether the backward target's gradients are bitwise repeatable: "always", "on_request"
   # (when the call passes deterministic=True, at a cost) or "never" (dQ added with atomics).
   backward_determinism: str = "never"
@@ -59,14 +54,6 @@ class Schedule:
   def __post_init__(self):
     if self.backward_determinism not in DETERMINISM:
       raise ValueError(f"backward_determinism must be one of {DETERMINISM}")
-    if (self.backward_check is None) != (self.backward_fallback is None):
-      raise ValueError("backward_check and backward_fallback come together")
-
-  def backward_schedule(self, shape: AttentionShape, config: AttentionConfig) -> "Schedule":
-    """The schedule whose backward target computes this call's gradients."""
-    if self.backward_check is not None and self.backward_check(shape, config):
-      return self.backward_fallback.backward_schedule(shape, config)
-    return self
 
   def unavailable_reason(self) -> str | None:
     """Why this schedule cannot run in this process at all (None when it can)."""
@@ -102,11 +89,9 @@ class Schedule:
       reason = self.extra_check(shape, config)
       if reason:
         return reason
-    if config.deterministic:
-      served_by = self.backward_schedule(shape, config)
-      if served_by.backward_determinism == "never":
-        return (f"deterministic=True: the {served_by.name} backward that would compute these "
-                "gradients adds dQ with fp32 atomics, whose order varies between runs")
+    if config.deterministic and self.backward_determinism == "never":
+      return (f"deterministic=True: the {self.name} backward adds dQ with fp32 atomics, whose "
+              "order varies between runs")
     return None
 
 

@@ -9,9 +9,8 @@ busy, else one wave that fills every block slot; at most the workspace's first d
 implements the standard convention (top-left causal, sequence lengths, sliding windows, softcap),
 without bias or mask tensors.
 
-Backward: v3's (cuda/v3_bwd_sm90.cu), and v2's (cuda/backward.cu) for head dim 256, as under
-the v3 schedule. The forward's out and lse follow the convention, so either backward consumes
-them unchanged.
+Backward: v3's (cuda/v3_bwd_sm90.cu). The forward's out and lse follow the convention, so it
+consumes them unchanged.
 
 Envelope: bfloat16 / float16, head dim 64, 128 or 256 (exactly: padding would copy the whole
 cache), T * N / K <= 64 query rows per kv head, no bias or mask; compute capability 9.0 (the
@@ -94,7 +93,7 @@ def forward_workspaces(shape: AttentionShape, dtype):
 DECODE = register(Schedule(
     name="decode",
     description="split-KV Flash-Decoding for short queries: GQA rows packed per kv head, "
-                "splits merged in-kernel (backward: v3's; head dim 256: v2's)",
+                "splits merged in-kernel (backward: v3's)",
     platform="gpu",
     forward_target="jax_flash_decode_fwd",
     **v3.BACKWARD,

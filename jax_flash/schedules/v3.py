@@ -3,15 +3,15 @@
 Forward: TMA loads into a multi-stage shared-memory ring, wgmma for QK^T and PV, a producer
 warpgroup and register-reallocated consumer warpgroups (pingpong between them), a persistent
 grid. Backward: a preprocessing kernel (D, lse in log2 units, clears the dQ accumulator), a
-warp-specialized main kernel (TMA producer; two wgmma consumer warpgroups own 64 keys each and
-keep dK / dV in registers over every query block and every query head of the GQA group; dQ
-partials added into fp32 with vector reductions) and a dQ conversion kernel.
+warp-specialized main kernel (TMA producer; two wgmma consumer warpgroups keep dK / dV in
+registers over every query block and every query head of the GQA group: at head dims 64 / 128
+each owns 64 keys, at 256 they split the head dim of a 64-key block; dQ partials added into an
+fp32 accumulator by TMA bulk reduce-add, or vector reductions at 256) and a dQ conversion kernel.
 
 Envelope: bfloat16 / float16, head dims 64, 128 and 256 (others go to v2 through the dispatch
 order), causal, sliding window, GQA / MQA, q / kv sequence lengths, softcap. Bias and mask
 tensors are declared unsupported here, so the dispatch sends those calls to v2. The backward
-kernel takes head dims 64 and 128; head dim 256 gradients are computed by the v2 backward (same
-convention: it recomputes from q, k, v and the forward's out and lse).
+covers the forward's whole envelope.
 """
 from __future__ import annotations
 
@@ -19,11 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash._config import AttentionConfig, AttentionShape
-from jax_flash.schedules import v2
 from jax_flash.schedules.base import HOPPER, Schedule, register
 
 HEAD_DIMS = (64, 128, 256)
-BACKWARD_HEAD_DIMS = (64, 128)
 _ROW_PAD = 128         # kRowPad in cuda/v3_bwd_sm90.cu
 _SEMAPHORE_ROWS = 64   # query rows per dQ semaphore (kDqTileRows)
 
@@ -35,14 +33,6 @@ def _envelope(shape: AttentionShape, config: AttentionConfig) -> str | None:
     return "scale must be > 0"
   if shape.kv_len < 1:
     return "needs at least one key"
-  return None
-
-
-def backward_check(shape: AttentionShape, config: AttentionConfig) -> str | None:
-  """Why the v3 backward kernel cannot take these gradients (None when it can)."""
-  del config
-  if shape.head_dim not in BACKWARD_HEAD_DIMS:
-    return f"the v3 backward takes head dims {BACKWARD_HEAD_DIMS}; got {shape.head_dim}"
   return None
 
 
@@ -63,15 +53,13 @@ def backward_workspaces(shape: AttentionShape, dtype):
 BACKWARD = dict(
     backward_target="jax_flash_v3_bwd",
     backward_workspaces=backward_workspaces,
-    backward_check=backward_check,
-    backward_fallback=v2.V2,
     backward_determinism="on_request",
 )
 
 V3 = register(Schedule(
     name="v3",
     description="Hopper: TMA + wgmma, warp-specialized; forward pingpong on a persistent grid, "
-                "backward with dK/dV in registers (head dim 256: v2 backward)",
+                "backward with dK/dV in registers",
     platform="gpu",
     forward_target="jax_flash_v3_fwd",
     **BACKWARD,
