@@ -188,3 +188,32 @@ def test_mode_table_summarizes_ours_over_peer_like_the_bars():
                                     case("c", 300.0, 300.0)], repeats=3)
   assert table.splitlines()[-1] == ("ours/peer over 3 rows: geometric mean 1.000, lowest 0.50, "
                                     "highest 2.00")
+
+
+def test_mode_table_from_trace_uses_the_kernels_device_time():
+  from jax_flash.bench import report
+  # 1 GB of KV read: 0.5 ms of device time is 2 TB/s, whatever the host-timed rate says.
+  rows = [{"impl": "flash_decode", "status": "ok", "ours": True, "tbps": 1.0,
+           "trace_ms_per_call": 0.5, "check": {"passed": True}},
+          {"impl": "cudnn", "status": "ok", "ours": False, "tbps": 0.5,
+           "trace_ms_per_call": 0.25, "check": {"passed": True}},
+          {"impl": "xla", "status": "ok", "ours": False, "tbps": 0.9,
+           "check": {"passed": True}}]
+  case = {"label": "d", "kv_bytes": 1e9, "flops": 0.0, "rows": rows}
+  median = report.mode_table("decode", [case], repeats=3).splitlines()
+  trace = report.mode_table("decode", [case], repeats=3, source="trace").splitlines()
+  assert median[-1].startswith("ours/peer over 1 rows: geometric mean 1.111")
+  assert "device time" in trace[0]
+  assert trace[2].split()[1:] == ["2", "4*", "?", "0.50"]
+
+
+def test_each_timed_repeat_is_preceded_by_untimed_calls_of_its_own_target():
+  from jax_flash.bench.timing import time_interleaved
+  log = []
+  targets = {name: (lambda i, name=name: log.append(name), lambda out: None, 2)
+             for name in ("a", "b")}
+  options = TimingOptions(repeats=2, min_repeat_s=0.05, settle_s=0.1)
+  timings = time_interleaved(targets, options)
+  # per repeat and target: 4 settling calls (2 iters x 0.1 / 0.05), then the 2 timed ones
+  assert "".join(log) == ("a" * 6 + "b" * 6) * 2
+  assert len(timings["a"].samples_s) == 2

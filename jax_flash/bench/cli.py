@@ -58,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--out", default="bench_out", help="output folder (default bench_out/)")
   p.add_argument("--repeats", type=int, help="timed repeats (GPU default 5, CPU 3)")
   p.add_argument("--min-repeat-s", type=float, help="seconds each repeat lasts at least")
+  p.add_argument("--settle-s", type=float,
+                 help="seconds of untimed calls of the same implementation before each repeat "
+                      "(GPU default 0.2: its clocks then follow its own power, not the previous "
+                      "implementation's; 0 off)")
   p.add_argument("--max-seconds", type=float, default=0.0,
                  help="stop starting new work after this many seconds (0: no limit); the "
                       "outputs still get written")
@@ -103,11 +107,13 @@ def build_cases(args: argparse.Namespace, backend: str) -> list[configs.Case]:
 def timing_options(args: argparse.Namespace, backend: str) -> TimingOptions:
   if backend == "gpu":
     # prepare() and the kernel trace have already run each call three times: one warm-up is enough
-    options = TimingOptions(repeats=3 if args.quick else 5, min_repeat_s=0.05, warmup=1)
+    options = TimingOptions(repeats=3 if args.quick else 5, min_repeat_s=0.05, warmup=1,
+                            settle_s=0.0 if args.quick else 0.2)
   else:  # each CPU call takes milliseconds to seconds: few calls, each waited for
     options = TimingOptions(repeats=3, min_repeat_s=0.05 if args.quick else 0.3, warmup=1,
                             wait_each_call=True)
-  overrides = {"repeats": args.repeats, "min_repeat_s": args.min_repeat_s}
+  overrides = {"repeats": args.repeats, "min_repeat_s": args.min_repeat_s,
+               "settle_s": args.settle_s}
   return dataclasses.replace(options, **{k: v for k, v in overrides.items() if v is not None})
 
 

@@ -21,6 +21,11 @@ class TimingOptions:
   max_iters: int = 1000
   warmup: int = 2
   wait_each_call: bool = False
+  # Untimed calls of the same target right before each timed repeat, lasting about this long:
+  # the H200 runs at its 700 W power cap in these loops, and its clocks follow the power of the
+  # last few hundred milliseconds; without this a repeat is clocked by the previous target's
+  # power (a low-power peer before it lends it headroom), not by its own.
+  settle_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +66,14 @@ def time_interleaved(targets: dict[str, tuple[Call, Wait, int]],
                      options: TimingOptions) -> dict[str, Timing]:
   """Seconds per call of each target (call, wait, iters from warm_up). Repeat r of every target
   runs before repeat r + 1 of any, so a drift of the device (clocks, power, temperature) during
-  the case reaches every implementation alike instead of whichever ran last."""
+  the case reaches every implementation alike instead of whichever ran last; each repeat is
+  preceded by options.settle_s of untimed calls of its own target."""
   samples = {name: [] for name in targets}
   for _ in range(options.repeats):
     for name, (call, wait, iters) in targets.items():
+      if options.settle_s > 0 and options.min_repeat_s > 0:
+        settle_iters = math.ceil(iters * options.settle_s / options.min_repeat_s)
+        _per_call_seconds(call, wait, settle_iters, options.wait_each_call)
       samples[name].append(_per_call_seconds(call, wait, iters, options.wait_each_call))
   return {name: Timing(statistics.median(s), min(s), tuple(s), targets[name][2])
           for name, s in samples.items()}

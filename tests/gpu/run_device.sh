@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session: build the extension on the GPU machine, run the GPU tests, benchmark.
 #   bash tests/gpu/run_device.sh [STAGE...]
-#     stages: build tests bench v1 (default), and on a 2-GPU machine: sharding ring
+#     stages: build tests bench v1 (default), train, and on a 2-GPU machine: sharding ring
 # Run from the repository root with `.carry` (holding the nvidia-cutlass wheel) carried along.
 # Writes build and test logs, the bench outputs (json + txt) and a clock / power log (smi.csv)
 # under $OUT (or /tmp/jf_out): at most 7 files from the default stages.
@@ -44,6 +44,16 @@ if has v1; then  # FlashAttention-1 against -2 on the grid's H=128 rows, forward
     --repeats 3 --no-ceilings --out "$OUT/bench_v1" > /tmp/bench_v1.log 2>&1
   echo "v1 rc=$?"; sed -n '/^== /,$p' /tmp/bench_v1.log | head -20
   rm -f "$OUT"/bench_v1/*.png
+fi
+if has train; then  # issue #5: a training step of the example model, v3 against cuDNN, alternated
+  args="--dtype bfloat16 --steps ${TRAIN_STEPS:-40} --batch 4 --seq-len 4096 --d-model 2048 --heads 16"
+  args+=" --layers 1 --lr 3e-4 --log-every 1000"
+  for round in 1 2; do
+    for attention in "direct --schedule v3" "cudnn"; do
+      timeout 120 python3 examples/train.py $args --attention $attention 2>&1 | grep "^done" \
+        | tee -a "$OUT/train.log"
+    done
+  done
 fi
 if has sharding; then
   timeout ${SHARDING_TIMEOUT:-150} python3 -m pytest -q -s -p no:cacheprovider \
