@@ -28,14 +28,17 @@
 //            dV  += P^T dO             wgmma RS: P^T from registers (the accumulator layout of
 //                                      S^T is the A-fragment layout), dO MN-major in smem
 //            dS^T -> shared memory (stmatrix, 128-byte swizzle, keys as rows; two buffers
-//            alternating by step), one named barrier of both consumer warpgroups, then
-//            dQ tile = dS K            wgmma SS, dS MN-major, K MN-major; each warpgroup one
-//                                      64 x 64 tile of the block's dQ
+//            alternating by step), then in warpgroup 1 only (the dQ owner; warpgroup 2 is the
+//            helper, see DqRole), once the helper's dS^T rows are stored too (one-way
+//            named barrier: the helper never waits for the owner's dS, see run_consumer):
+//            dQ = dS K                 wgmma SS, dS MN-major, K MN-major, over all 128 keys;
+//                                      the whole step's dQ (H = 128: one m64n128 tile, the
+//                                      K operand read once; H = 64: two m64n64 row tiles)
 //            dK  += dS^T Q             wgmma SS, dS^T K-major (its own 64 rows), Q MN-major
-//            wait for dV and dQ only; the dQ tile is staged in shared memory (fragment order,
-//            the layout of dq_accum) and added into the fp32 dq_accum by one bulk (TMA)
-//            reduce-add per warpgroup, while dK and then the next step's S^T / dP^T run, so
-//            the tensor-core queue does not drain between steps (see run_consumer, add_dq).
+//            wait for dV (and dQ) only; the owner stages dQ in shared memory (fragment order,
+//            the layout of dq_accum) and adds it into the fp32 dq_accum by one bulk (TMA)
+//            reduce-add, while dK and then the next step's S^T / dP^T run, so the
+//            tensor-core queue does not drain between steps (see run_consumer, add_dq).
 //        Deterministic mode: the dQ adds of a (batch, head, query block) are serialized in
 //        descending key block order by a semaphore per block (each element gets its partials
 //        added in the same order every run; see dq_turn); dK / dV are always deterministic
@@ -53,13 +56,14 @@
 //     the other warpgroup too), two buffers each
 //   dV_w += P^T dO_w, dK_w += dS^T Q_w over its own 32 queries: wgmma RS m64n128 (fragments),
 //     issued before the stores and the barrier
-//   barrier; dV_w, dK_w over the other warpgroup's 32 queries: wgmma SS m64n128 (P^T, dS^T
-//     from shared memory); dQ tile = dS K_w: 64 queries x its 128 columns, SS m64n128 over
+//   two-way barrier; dV_w, dK_w over the other warpgroup's 32 queries: wgmma SS m64n128 (P^T,
+//     dS^T from shared memory); dQ tile = dS K_w: 64 queries x its 128 columns, SS m64n128 over
 //     the 64 keys, added as two 64 x 64 tiles (the dq_accum layout is the same) by
 //     red.global.add.v4.f32 from every thread, not staged for a bulk reduce as at H = 64 /
 //     128: the staging (32 KB per warpgroup) does not fit (BwdConfig::kDqByBulkReduce)
 // Registers per consumer thread: dK 64 + dV 64 (live over the loop) + dQ 64 (issue to adds)
-// + S^T 16 + dP^T 16 + P / dS fragments 8 + 8, under setmaxnreg 240 (H = 64 / 128: 232).
+// + S^T 16 + dP^T 16 + P / dS fragments 8 + 8, under setmaxnreg 240 (H = 64 / 128: 256 for
+// the dQ owner, 224 for the helper).
 // Shared memory: K, V 2 x 32 KB; Q, dO 2 stages x 2 x 32 KB; dS^T, P^T 2 x 2 x 8 KB; lse, D
 // 1 KB; barriers; 1 KB alignment: 231,480 bytes of 232,448. Per step (10.5 MFLOP, as at H =
 // 128) the CTA loads 64 KB of Q / dO and adds 64 KB of dQ (twice H = 128's: 64-key blocks).
@@ -124,20 +128,31 @@ struct BwdConfig {
   // (one stage is 64 KB).
   static constexpr int kStages = kHeadDim == 64 || kSplitHeadDim ? 2 : 3;
   static constexpr int kProducerRegisters = 24;
-  // 240 made ptxas spill 8 bytes in the consumer at head dims 64 / 128 (nvcc 13.0); 232
-  // compiles without spills there. Head dim 256 takes 240, all the register file leaves with a
-  // 24-register producer (at 232 ptxas serialized its wgmmas: C7512, register resources).
-  static constexpr int kConsumerRegisters = kSplitHeadDim ? 240 : 232;
-  static_assert(128 * kProducerRegisters + 128 * kConsumerWarpgroups * kConsumerRegisters <=
-                65536);
+  // Per consumer warpgroup (setmaxnreg; the three warpgroups share 65,536 registers). Head
+  // dims 64 / 128: the dQ owner holds the step's whole dQ (64 fp32 per thread, next to dK, dV
+  // and the P^T fragments) and takes 256; the helper holds no dQ and takes 224. Other splits
+  // (nvcc 13.0): 232 / 232 serialized the wgmmas (C7512, register resources), 256 / 232 and
+  // 240 / 232 spilled at H = 128, 248 / 240 and 240 / 240 spilled more at H = 64 (256 / 224
+  // leaves one 8-byte reload per step in the H = 64 owner). Head dim 256: 240 each, all the
+  // register file leaves with a 24-register producer (at 232 ptxas serialized its wgmmas:
+  // C7512).
+  static constexpr int kOwnerRegisters = kSplitHeadDim ? 240 : 256;
+  static constexpr int kHelperRegisters = kSplitHeadDim ? 240 : 224;
+  static_assert(128 * (kProducerRegisters + kOwnerRegisters + kHelperRegisters) <= 65536);
 
   static constexpr int kSlabs = kHeadDim / 64;
-  // Each consumer warpgroup computes kDqSlabs adjacent 64 x 64 tiles of the block's dQ (one
-  // row tile): kBlockM / 64 row tiles x kSlabs column slabs split evenly between the two.
+  // The step's dQ is kBlockM / 64 row tiles x kSlabs column slabs of 64 x 64. Head dims 64 /
+  // 128: one warpgroup (the dQ owner, see DqRole) computes all of it, over the block's 128
+  // keys: H = 128 as one m64n128 tile (the K operand read once instead of once per warpgroup),
+  // H = 64 as two m64n64 row tiles. Head dim 256: each warpgroup its 2 column slabs. Either
+  // way a dQ warpgroup holds kDqRowTilesPerWg x kDqSlabs tiles, adjacent in dq_accum.
   static constexpr int kDqRowTiles = kBlockM / 64;
-  static constexpr int kDqSlabs = kDqRowTiles * kSlabs / kConsumerWarpgroups;
-  static_assert(kDqSlabs * kConsumerWarpgroups == kDqRowTiles * kSlabs &&
-                (kDqSlabs == 1 || kDqRowTiles == 1));
+  static constexpr int kDqWarpgroups = kSplitHeadDim ? kConsumerWarpgroups : 1;
+  static constexpr int kDqRowTilesPerWg = kSplitHeadDim ? 1 : kDqRowTiles;
+  static constexpr int kDqSlabs = kSlabs / kDqWarpgroups;
+  static constexpr int kDqTiles = kDqRowTilesPerWg * kDqSlabs;
+  static_assert(kDqWarpgroups * kDqTiles == kDqRowTiles * kSlabs &&
+                (kDqSlabs == 1 || kDqRowTilesPerWg == 1));
 
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q or dO stage
@@ -151,15 +166,15 @@ struct BwdConfig {
   // P^T (head dim 256 only): two buffers like dS^T.
   static constexpr int kPOffset = kDsOffset + 2 * kDsBytes;
   static constexpr int kPBytes = kSplitHeadDim ? kDsBytes : 0;
-  // How dQ reaches dq_accum (add_dq). H = 64 / 128: per consumer warpgroup its fp32 dQ tile is
-  // staged here for one bulk reduce. H = 256: red.global.add.v4.f32 from every thread, no
+  // How dQ reaches dq_accum (add_dq). H = 64 / 128: the dQ owner's fp32 tiles are staged here
+  // for one bulk reduce. H = 256: red.global.add.v4.f32 from every thread, no
   // staging: the layout takes 231,480 bytes without it, and the staging of both warpgroups'
   // two 64 x 64 tiles would need 2 x 32 KB more (2 x 16 KB staging one slab at a time), over
   // the 232,448-byte limit either way.
   static constexpr bool kDqByBulkReduce = !kSplitHeadDim;
   static constexpr int kDqStageOffset = kPOffset + 2 * kPBytes;
-  static constexpr int kDqStageBytes = kDqByBulkReduce ? 64 * 64 * 4 * kDqSlabs : 0;
-  static constexpr int kLseOffset = kDqStageOffset + kConsumerWarpgroups * kDqStageBytes;
+  static constexpr int kDqStageBytes = kDqByBulkReduce ? kDqTileFloats * 4 * kDqTiles : 0;
+  static constexpr int kLseOffset = kDqStageOffset + kDqWarpgroups * kDqStageBytes;
   static constexpr int kDsumOffset = kLseOffset + kStages * kRowStatBytes;
   static constexpr int kBarrierOffset = kDsumOffset + kStages * kRowStatBytes;
   static constexpr int kBarrierBytes = 8 * (1 + 3 * kStages);
@@ -577,10 +592,22 @@ __device__ __forceinline__ void zero(float (&x)[N]) {
   for (int i = 0; i < N; ++i) x[i] = 0.f;
 }
 
-// Named barrier ids (0 is __syncthreads): the two consumer warpgroups (256 threads).
-constexpr int kDsReadyBarrier = 1;  // both warpgroups' dS of this step are in shared memory
-constexpr int kDqOrderBarrier = 2;  // deterministic mode: this block's turn to add dQ
-constexpr int kDqStagedBarrier = 3;  // + warpgroup: its dQ tile is staged (128 threads)
+// What a consumer warpgroup does about dQ (run_consumer).
+//   kOwner / kHelper (head dims 64 / 128): the owner computes the step's whole dQ from both
+//     warpgroups' dS^T; the helper only contributes its dS^T rows. The helper never waits for
+//     the owner's dS, only for a dS buffer the owner has finished reading two steps before, so
+//     the two are coupled in one direction per step and can drift apart by up to two steps.
+//   kShared (head dim 256): each warpgroup computes its columns of dQ from both warpgroups'
+//     dS^T (and P^T), and both wait for each other once per step.
+enum class DqRole { kOwner, kHelper, kShared };
+
+// Named barrier ids (0 is __syncthreads). The dS^T exchange uses one id per dS^T buffer
+// (buffer = step % 2): a named barrier only counts arrivals, so an id must not see a second
+// round of arrivals from one warpgroup before the other side has taken the first.
+constexpr int kDsReadyBarrier = 1;  // + buffer: the dS^T of the buffer's step is stored
+constexpr int kDsFreeBarrier = 3;   // + buffer: the owner's dQ GEMM has read the buffer
+constexpr int kDqOrderBarrier = 5;  // deterministic mode: this block's turn to add dQ
+constexpr int kDqStagedBarrier = 6;  // + warpgroup: its dQ tiles are staged (128 threads)
 constexpr int kConsumerThreads = 256;
 
 __device__ __forceinline__ int load_acquire(const int* address) {
@@ -589,14 +616,16 @@ __device__ __forceinline__ int load_acquire(const int* address) {
   return v;
 }
 
-// Adds this warpgroup's kDqSlabs dQ tiles (64 x 64, adjacent in dq_accum, each in fragment
-// order: float i of thread t at (i / 4) * 512 + 4 t + i % 4) into dq_accum.
-// Bulk reduce (H = 64 / 128, BwdConfig::kDqByBulkReduce): the tile goes to the warpgroup's
-// staging buffer in that order (one conflict-free 512-byte row per warp store), then thread 0
-// adds the whole 16 KB tile with one bulk reduce. The consumer threads only store to shared
-// memory: with red.global.add.v4 from every thread, the next step's register writes waited for
-// the queued reductions to read their operands (ncu: 13% of all stall samples on the loop's
-// first instruction). Thread 0 waits for the reduce to have read the buffer before the next step's
+// Adds this warpgroup's kDqTiles dQ tiles (64 x 64, adjacent in dq_accum, each in fragment
+// order: float i of thread t at (i / 4) * 512 + 4 t + i % 4) into dq_accum. dq[r] holds row
+// tile r's kDqSlabs tiles, so float 4 j of the warpgroup's tiles is dq[j / kV4PerRow][4 (j %
+// kV4PerRow)].
+// Bulk reduce (H = 64 / 128, BwdConfig::kDqByBulkReduce): the tiles go to the owner's staging
+// buffer in that order (one conflict-free 512-byte row per warp store), then thread 0 adds all
+// of it with one bulk reduce. The consumer threads only store to shared memory: with
+// red.global.add.v4 from every thread, the next step's register writes waited for the queued
+// reductions to read their operands (ncu: 13% of all stall samples on the loop's first
+// instruction). Thread 0 waits for the reduce to have read the buffer before the next step's
 // dS barrier (run_consumer).
 // Otherwise (H = 256: no shared memory left for the staging) every thread adds its values with
 // red.global.add.v4.f32, one 512-byte line per warp instruction.
@@ -605,19 +634,24 @@ __device__ __forceinline__ int load_acquire(const int* address) {
 template <class Cfg>
 __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, const Step& st,
                                        int warpgroup, int thread, uint32_t staging,
-                                       const float (&dq)[32 * Cfg::kDqSlabs]) {
+                                       const float (&dq)[Cfg::kDqRowTilesPerWg]
+                                                        [32 * Cfg::kDqSlabs]) {
+  constexpr int kV4PerRow = 8 * Cfg::kDqSlabs;
+  constexpr int kDqThreads = 128 * Cfg::kDqWarpgroups;  // the threads that add dQ
   if constexpr (Cfg::kDqByBulkReduce) {
 #pragma unroll
-    for (int j = 0; j < 8 * Cfg::kDqSlabs; ++j)
+    for (int j = 0; j < 8 * Cfg::kDqTiles; ++j) {
+      const float* v = &dq[j / kV4PerRow][4 * (j % kV4PerRow)];
       asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(staging + j * 2048 +
                                                                      16 * thread),
-                   "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3])
+                   "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
                    : "memory");
+    }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     named_barrier_sync(kDqStagedBarrier + warpgroup, 128);
   }
-  const int row_tile = st.m_block * Cfg::kDqRowTiles + warpgroup % Cfg::kDqRowTiles;
-  const int slab = warpgroup / Cfg::kDqRowTiles * Cfg::kDqSlabs;
+  const int row_tile = st.m_block * Cfg::kDqRowTiles;
+  const int slab = warpgroup * Cfg::kDqSlabs;  // the owner is warpgroup 0
   float* tile = DqAccum::tile(p.dq_accum, p, kb.batch, st.head, row_tile, slab, Cfg::kSlabs);
   if constexpr (Cfg::kDqByBulkReduce) {
     if (p.dq_semaphore == nullptr) {  // nothing here waits for the reduce
@@ -635,7 +669,7 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, c
       while (load_acquire(semaphore) != turn) {
       }
     }
-    named_barrier_sync(kDqOrderBarrier, kConsumerThreads);
+    named_barrier_sync(kDqOrderBarrier, kDqThreads);
   }
   if constexpr (Cfg::kDqByBulkReduce) {  // deterministic mode here
     asm volatile("fence.proxy.async.global;" ::: "memory");  // the acquire, then async-proxy adds
@@ -644,12 +678,13 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, c
     asm volatile("fence.proxy.async.global;" ::: "memory");  // the adds, then the release
   } else {
 #pragma unroll
-    for (int j = 0; j < 8 * Cfg::kDqSlabs; ++j)  // the slabs' tiles are adjacent in dq_accum
-      red_add_v4(tile + 4 * thread + 512 * j, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2],
-                 dq[4 * j + 3]);
+    for (int j = 0; j < 8 * Cfg::kDqTiles; ++j) {  // the tiles are adjacent in dq_accum
+      const float* v = &dq[j / kV4PerRow][4 * (j % kV4PerRow)];
+      red_add_v4(tile + 4 * thread + 512 * j, v[0], v[1], v[2], v[3]);
+    }
   }
   if (Cfg::kDqByBulkReduce || semaphore != nullptr) {  // bulk: deterministic mode only here
-    named_barrier_sync(kDqOrderBarrier, kConsumerThreads);
+    named_barrier_sync(kDqOrderBarrier, kDqThreads);
     if (warpgroup == 0 && thread == 0) {
       __threadfence();
       asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
@@ -681,28 +716,39 @@ __device__ __forceinline__ void store_key_gradient(const BwdParams& p, void* dst
 }
 
 // One step per (query head, query block); per step the tensor-core queue holds, in order:
-//   S^T, dP^T | dV (RS, P^T) | dQ (SS, both warpgroups' dS^T) | dK (SS, dS^T)
-// The step ends by waiting for dV and dQ only (wait_group 1) and adding dQ, so the next step's
-// S^T and dP^T are issued while dK still runs: the queue never drains between steps. The dK
-// of step i (dS^T and Q from shared memory) completes before step i + 1's S^T, which is where
-// the stage is released. dS^T alternates
-// between two shared buffers: buffer i % 2 was last read by step i - 2's dQ GEMMs, which both
-// warpgroups had completed before passing step i - 1's ready barrier, so one barrier per step
-// suffices.
+//   owner:  S^T, dP^T | dV (RS, P^T) | dQ (SS, both warpgroups' dS^T) | dK (SS, dS^T)
+//   helper: S^T, dP^T | dV (RS, P^T) | dK (SS, dS^T)
+// The step ends by waiting for dV (and dQ) only (wait_group 1), and the owner adds dQ, so the
+// next step's S^T and dP^T are issued while dK still runs: the queue never drains between
+// steps. The dK of step i (dS^T and Q from shared memory) completes before step i + 1's S^T,
+// which is where the stage is released.
+// dS^T exchange (head dims 64 / 128): dS^T alternates between two shared buffers. The helper
+// stores its rows of buffer i % 2 and arrives on ready[i % 2]; the owner stores its rows and
+// waits on ready[i % 2] before its dQ GEMM. The helper waits before its stores only on
+// free[i % 2], which the owner arrives on once its dQ GEMM of step i - 2 (the buffer's last
+// reader) has completed; the owner pre-arrives once per buffer for steps 0 and 1, and the
+// helper takes those last two rounds after its loop. The own rows of a buffer are also read by
+// the warpgroup's dK of step i - 2, completed in program order. So the helper runs up to two
+// steps ahead instead of meeting the owner at a two-way barrier every step (that barrier
+// held the faster warpgroup idle: ncu, 14-16% of stall samples), and the two warpgroups' exp
+// and dS phases spread over the owner's longer dQ GEMMs instead of running in lockstep.
 //
-// Head dim 256 (kSplitHeadDim): the warpgroup's S^T / dP^T cover the block's 64 keys and its
-// kScoreCols queries; its dK, dV and dQ columns are its half of the head dim, and dK / dV sum
-// over all the step's queries. The queue is
+// Head dim 256 (kSplitHeadDim, both kShared): the warpgroup's S^T / dP^T cover the block's 64
+// keys and its kScoreCols queries; its dK, dV and dQ columns are its half of the head dim, and
+// dK / dV sum over all the step's queries. The queue is
 //   S^T, dP^T | dV, dK over its own queries (RS: P^T, dS^T fragments)
 //   | dV over the other warpgroup's queries (SS: P^T), dQ (SS) | dK over the other's (SS)
 // so the own-query halves run during the stores and the barrier. P^T is stored next to dS^T
-// (same layout, two buffers, same reuse argument: the other warpgroup reads it by step i's
-// dV, completed at its wait_group 1). The register fragments of the RS GEMMs die at the
-// step's wait_group 1 (they are older than the last group), not across the back edge.
-template <class Cfg>
+// (same layout, two buffers). One two-way barrier per step (ready[i % 2], both sync) suffices:
+// buffer i % 2 was last read by step i - 2's dV and dQ GEMMs, which both warpgroups had
+// completed before passing step i - 1's barrier. The register fragments of the RS GEMMs die
+// at the step's wait_group 1 (they are older than the last group), not across the back edge.
+template <class Cfg, DqRole kRole>
 __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t smem,
                              const BwdBarriers& bars, int warpgroup) {
   constexpr bool kSplit = Cfg::kSplitHeadDim;
+  constexpr bool kComputesDq = kRole != DqRole::kHelper;
+  static_assert(kSplit == (kRole == DqRole::kShared));
   const int thread = threadIdx.x % 128;
   const bool warp_leader = thread % 32 == 0;
   const Lane lane = Lane::of(thread);
@@ -721,10 +767,14 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   const int key0 = key_lo + lane.row0;
   const uint32_t k_tile = smem + Cfg::kKOffset, v_tile = smem + Cfg::kVOffset;
   const uint32_t k_rows = k_tile + key_row0 * 128, v_rows = v_tile + key_row0 * 128;
-  const int dq_row_tile = warpgroup % Cfg::kDqRowTiles,
-            dq_slab = warpgroup / Cfg::kDqRowTiles * Cfg::kDqSlabs;
-  const uint32_t dq_staging = smem + Cfg::kDqStageOffset + warpgroup * Cfg::kDqStageBytes;
+  const int dq_slab = warpgroup * Cfg::kDqSlabs;  // the owner is warpgroup 0
+  const uint32_t dq_staging = smem + Cfg::kDqStageOffset;  // the owner's (H = 256: none)
 
+  // Both buffers are free before the first step.
+  if constexpr (kRole == DqRole::kOwner) {
+    named_barrier_arrive(kDsFreeBarrier, kConsumerThreads);
+    named_barrier_arrive(kDsFreeBarrier + 1, kConsumerThreads);
+  }
   // Set by the first step (issue_rs_gradient, or issue_ss_gradient for dK at head dims <= 128).
   float dk[Cfg::kGradCols / 2], dv[Cfg::kGradCols / 2];
   if (kb.steps > 0) mbarrier_wait(bars.kv_full, 0);
@@ -733,10 +783,11 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   uint32_t phase = 0;
   for (int it = 0; it < kb.steps; ++it) {
     const Step st = step_of(p, kb, it);
+    const int buffer = it % 2;
     const uint32_t q_tile = smem + Cfg::kQOffset + stage * Cfg::kQBytes;
     const uint32_t do_tile = smem + Cfg::kDoOffset + stage * Cfg::kQBytes;
-    const uint32_t ds_tile = smem + Cfg::kDsOffset + (it % 2) * Cfg::kDsBytes;
-    const uint32_t p_tile = smem + Cfg::kPOffset + (it % 2) * Cfg::kPBytes;  // head dim 256
+    const uint32_t ds_tile = smem + Cfg::kDsOffset + buffer * Cfg::kDsBytes;
+    const uint32_t p_tile = smem + Cfg::kPOffset + buffer * Cfg::kPBytes;  // head dim 256
     const uint32_t lse = smem + Cfg::kLseOffset + stage * Cfg::kRowStatBytes + 4 * query_col0;
     const uint32_t dsum = smem + Cfg::kDsumOffset + stage * Cfg::kRowStatBytes + 4 * query_col0;
     const int query_lo = st.m_block * Cfg::kBlockM + query_col0;
@@ -778,25 +829,36 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     }
     wgmma_commit();
 
+    if constexpr (kRole == DqRole::kHelper)
+      named_barrier_sync(kDsFreeBarrier + buffer, kConsumerThreads);
     // The generic-proxy stores must be fenced before the tensor cores (async proxy) read them.
     store_score_gradients<Cfg>(ds_tile, key_row0 + 16 * (thread / 32), query_col0, thread % 32,
                                dsa);
     if constexpr (kSplit)
       store_score_gradients<Cfg>(p_tile, 16 * (thread / 32), query_col0, thread % 32, pa);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    if constexpr (Cfg::kDqByBulkReduce)
-      bulk_wait_all<true>();  // the last step's dQ reduce (thread 0's) has read the staging
-    named_barrier_sync(kDsReadyBarrier, kConsumerThreads);
-
-    float dq[32 * Cfg::kDqSlabs];
-    fresh_accumulator(dq);
-    wgmma_fence();  // dq was read by the last step's adds
-    if constexpr (kSplit) {
-      issue_ss_gradient<Cfg, kSharedSteps>(p_tile + shared_col0 * 2,
-                                           do_tile + shared_col0 * 128 + grad_slab, dv, false);
+    if constexpr (kRole == DqRole::kHelper) {
+      named_barrier_arrive(kDsReadyBarrier + buffer, kConsumerThreads);
+    } else {
+      if constexpr (Cfg::kDqByBulkReduce)
+        bulk_wait_all<true>();  // the last step's dQ reduce (thread 0's) has read the staging
+      named_barrier_sync(kDsReadyBarrier + buffer, kConsumerThreads);
     }
-    issue_dq<Cfg>(ds_tile, k_tile, dq_row_tile, dq_slab, dq);
-    wgmma_commit();
+
+    float dq[Cfg::kDqRowTilesPerWg][32 * Cfg::kDqSlabs];  // the helper has none
+    wgmma_fence();  // dq was read by the last step's adds
+    if constexpr (kComputesDq) {
+#pragma unroll
+      for (int r = 0; r < Cfg::kDqRowTilesPerWg; ++r) fresh_accumulator(dq[r]);
+      if constexpr (kSplit) {
+        issue_ss_gradient<Cfg, kSharedSteps>(p_tile + shared_col0 * 2,
+                                             do_tile + shared_col0 * 128 + grad_slab, dv, false);
+      }
+#pragma unroll
+      for (int r = 0; r < Cfg::kDqRowTilesPerWg; ++r)
+        issue_dq<Cfg>(ds_tile, k_tile, r, dq_slab, dq[r]);
+      wgmma_commit();
+    }
     issue_ss_gradient<Cfg, kSharedSteps>(ds_tile + key_row0 * 128 + shared_col0 * 2,
                                          q_tile + shared_col0 * 128 + grad_slab, dk,
                                          !kSplit && it == 0);
@@ -805,13 +867,22 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     fence_registers(dv);
     fence_registers(pa);
     if constexpr (kSplit) fence_registers(dsa);
-    fence_registers(dq);
-    add_dq<Cfg>(p, kb, st, warpgroup, thread, dq_staging, dq);
+    if constexpr (kComputesDq) {
+#pragma unroll
+      for (int r = 0; r < Cfg::kDqRowTilesPerWg; ++r) fence_registers(dq[r]);
+      if constexpr (kRole == DqRole::kOwner)
+        named_barrier_arrive(kDsFreeBarrier + buffer, kConsumerThreads);
+      add_dq<Cfg>(p, kb, st, warpgroup, thread, dq_staging, dq);
+    }
     last_stage = stage;
     if (++stage == Cfg::kStages) {
       stage = 0;
       phase ^= 1;
     }
+  }
+  if constexpr (kRole == DqRole::kHelper) {  // the owner's last two arrivals (see above)
+    named_barrier_sync(kDsFreeBarrier, kConsumerThreads);
+    named_barrier_sync(kDsFreeBarrier + 1, kConsumerThreads);
   }
   wgmma_wait<0>();
   fence_registers(dk);
@@ -846,13 +917,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   __syncthreads();
 
   const KeyBlock kb = key_block_of<Cfg>(p);
-  const int warpgroup = threadIdx.x / 128;
+  // Broadcast from lane 0 so that the compiler knows it is warp-uniform: the consumer roles
+  // below are separate wgmma paths, which ptxas otherwise treats as divergent (C7520).
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   if (warpgroup == 0) {
     shrink_registers<Cfg::kProducerRegisters>();
     if (threadIdx.x == 0) run_producer<Cfg>(p, kb, smem, bars);
+  } else if (warpgroup == 1) {
+    // A separate instantiation per role: a branch on the role inside the loop, between wgmma
+    // issue and wait, would be a divergent path to ptxas (C7520, serialized wgmmas).
+    grow_registers<Cfg::kOwnerRegisters>();
+    run_consumer<Cfg, Cfg::kSplitHeadDim ? DqRole::kShared : DqRole::kOwner>(p, kb, smem, bars, 0);
   } else {
-    grow_registers<Cfg::kConsumerRegisters>();
-    run_consumer<Cfg>(p, kb, smem, bars, warpgroup - 1);
+    grow_registers<Cfg::kHelperRegisters>();
+    run_consumer<Cfg, Cfg::kSplitHeadDim ? DqRole::kShared : DqRole::kHelper>(p, kb, smem, bars,
+                                                                              1);
   }
 }
 
