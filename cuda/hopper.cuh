@@ -203,18 +203,20 @@ __device__ __forceinline__ uint64_t mnmajor_descriptor(uint32_t address, uint32_
          (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
-// The CUTLASS wgmma instruction wrappers for an m64nNk16 product with fp32 accumulators:
-// SS reads A and B from shared memory (both K-major), RS reads A from registers and B
-// MN-major from shared memory.
+// The CUTLASS wgmma instruction wrappers for an m64nNk16 product with fp32 accumulators, by
+// element type and width N: SS<major of A, major of B> reads both operands from shared memory
+// (K-major both unless said), RS reads A from registers and B MN-major from shared memory.
 template <typename Element, int N>
 struct Gmma;
 #define JAX_FLASH_V3_GMMA(ELEMENT, TAG, N)                                                 \
   template <>                                                                              \
   struct Gmma<ELEMENT, N> {                                                                \
-    using SS = gmma::MMA_64x##N##x16_F32##TAG##TAG##_SS<gmma::Major::K, gmma::Major::K>;  \
+    template <gmma::Major kMajorA = gmma::Major::K, gmma::Major kMajorB = gmma::Major::K>  \
+    using SS = gmma::MMA_64x##N##x16_F32##TAG##TAG##_SS<kMajorA, kMajorB>;                \
     using RS = gmma::MMA_64x##N##x16_F32##TAG##TAG##_RS<gmma::Major::K, gmma::Major::MN>; \
   };
 #define JAX_FLASH_V3_GMMA_WIDTHS(ELEMENT, TAG) \
+  JAX_FLASH_V3_GMMA(ELEMENT, TAG, 32)          \
   JAX_FLASH_V3_GMMA(ELEMENT, TAG, 64)          \
   JAX_FLASH_V3_GMMA(ELEMENT, TAG, 80)          \
   JAX_FLASH_V3_GMMA(ELEMENT, TAG, 128)         \

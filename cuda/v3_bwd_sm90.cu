@@ -332,32 +332,13 @@ __device__ void run_producer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
 // Consumer GEMMs (one warpgroup)
 // ------------------------------------------------------------------------------------------
 
-// The CUTLASS m64nNk16 product with fp32 accumulators and both operands in shared memory, by
-// element type, width and the two operands' majors.
-template <typename Element, int N, gmma::Major kMajorA, gmma::Major kMajorB>
-struct GmmaSS;
-#define JAX_FLASH_V3_BWD_GMMA_SS(ELEMENT, TAG, N)                            \
-  template <gmma::Major kMajorA, gmma::Major kMajorB>                       \
-  struct GmmaSS<ELEMENT, N, kMajorA, kMajorB> {                             \
-    using Op = gmma::MMA_64x##N##x16_F32##TAG##TAG##_SS<kMajorA, kMajorB>; \
-  };
-#define JAX_FLASH_V3_BWD_GMMA_SS_WIDTHS(ELEMENT, TAG) \
-  JAX_FLASH_V3_BWD_GMMA_SS(ELEMENT, TAG, 32)          \
-  JAX_FLASH_V3_BWD_GMMA_SS(ELEMENT, TAG, 64)          \
-  JAX_FLASH_V3_BWD_GMMA_SS(ELEMENT, TAG, 128)
-JAX_FLASH_V3_BWD_GMMA_SS_WIDTHS(__nv_bfloat16, BF16)
-JAX_FLASH_V3_BWD_GMMA_SS_WIDTHS(__half, F16)
-#undef JAX_FLASH_V3_BWD_GMMA_SS_WIDTHS
-#undef JAX_FLASH_V3_BWD_GMMA_SS
-
 // acc^T = X Y^T: X = this warpgroup's 64 key rows of K or V (x_rows: its row 0 in slab 0),
 // Y = its kScoreCols query rows of the Q or dO tile (y_rows: their row 0 in slab 0); both
 // K-major. Gives S^T or dP^T.
 template <class Cfg>
 __device__ __forceinline__ void issue_keys_by_queries(uint32_t x_rows, uint32_t y_rows,
                                                       float (&acc)[Cfg::kScoreCols / 2]) {
-  using Op = typename GmmaSS<typename Cfg::Element, Cfg::kScoreCols, gmma::Major::K,
-                             gmma::Major::K>::Op;
+  using Op = typename Gmma<typename Cfg::Element, Cfg::kScoreCols>::template SS<>;
   gemm_ss_kmajor<Op, Cfg::kHeadDim>(x_rows, Cfg::kBlockN * 128, y_rows, Cfg::kBlockM * 128, acc);
 }
 
@@ -395,8 +376,8 @@ __device__ __forceinline__ void issue_rs_gradient(const uint32_t (&a)[kSteps][4]
 template <class Cfg, int kSteps>
 __device__ __forceinline__ void issue_ss_gradient(uint32_t a_rows, uint32_t b_rows,
                                                   float (&acc)[Cfg::kGradCols / 2], bool first) {
-  using Op = typename GmmaSS<typename Cfg::Element, Cfg::kGradCols, gmma::Major::K,
-                             gmma::Major::MN>::Op;
+  using Op = typename Gmma<typename Cfg::Element, Cfg::kGradCols>::template SS<gmma::Major::K,
+                                                                              gmma::Major::MN>;
   constexpr auto idx = std::make_index_sequence<Cfg::kGradCols / 2>{};
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
@@ -413,8 +394,8 @@ __device__ __forceinline__ void issue_ss_gradient(uint32_t a_rows, uint32_t b_ro
 template <class Cfg>
 __device__ __forceinline__ void issue_dq(uint32_t ds_tile, uint32_t k_tile, int row_tile,
                                          int slab, float (&dq)[32 * Cfg::kDqSlabs]) {
-  using Op = typename GmmaSS<typename Cfg::Element, 64 * Cfg::kDqSlabs, gmma::Major::MN,
-                             gmma::Major::MN>::Op;
+  using Op = typename Gmma<typename Cfg::Element, 64 * Cfg::kDqSlabs>::template SS<gmma::Major::MN,
+                                                                                  gmma::Major::MN>;
   constexpr auto idx = std::make_index_sequence<32 * Cfg::kDqSlabs>{};
 #pragma unroll
   for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {

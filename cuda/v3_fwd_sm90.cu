@@ -150,7 +150,7 @@ __device__ __forceinline__ float exp2_fma(float x) {
 template <class Cfg>
 __device__ __forceinline__ void issue_qk(uint32_t q_rows, uint32_t k_tile,
                                          float (&s)[Cfg::kBlockN / 2]) {
-  using Op = typename Gmma<typename Cfg::Element, Cfg::kBlockN>::SS;
+  using Op = typename Gmma<typename Cfg::Element, Cfg::kBlockN>::template SS<>;
   gemm_ss_kmajor<Op, Cfg::kHeadDim>(q_rows, Cfg::kBlockM * 128, k_tile, Cfg::kBlockN * 128, s);
 }
 
