@@ -5,6 +5,8 @@
 # Run from the repository root with `.carry` (holding the nvidia-cutlass wheel) carried along.
 # Writes build and test logs, the bench outputs (json + txt) and a clock / power log (smi.csv)
 # under $OUT (or /tmp/jf_out): at most 7 files from the default stages.
+# Knobs (env): BENCH_MODES, BENCH_IMPL, BENCH_REPEATS, BENCH_MAX_SECONDS, TEST_FILTER (pytest -k),
+# TRAIN_STEPS, TRAIN_ROUNDS, and a *_TIMEOUT per stage.
 set -uo pipefail
 OUT=${OUT:-/tmp/jf_out}
 mkdir -p "$OUT"
@@ -25,7 +27,7 @@ fi
 if has tests; then
   timeout ${TEST_TIMEOUT:-180} python3 -m pytest -q -p no:cacheprovider --durations=10 \
     tests/test_attention.py tests/test_decode.py tests/test_extension.py tests/test_gpu_v1v2.py \
-    -k "not cpu" > "$OUT/pytest.log" 2>&1
+    -k "${TEST_FILTER:-not cpu}" > "$OUT/pytest.log" 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/pytest.log" | tail -25
 fi
 if has bench; then  # the grid of BENCHMARK.md, every mode, the peers in the same run
@@ -48,7 +50,7 @@ fi
 if has train; then  # issue #5: a training step of the example model, v3 against cuDNN, alternated
   args="--dtype bfloat16 --steps ${TRAIN_STEPS:-40} --batch 4 --seq-len 4096 --d-model 2048 --heads 16"
   args+=" --layers 1 --lr 3e-4 --log-every 1000"
-  for round in 1 2; do
+  for round in $(seq ${TRAIN_ROUNDS:-2}); do
     for attention in "direct --schedule v3" "cudnn"; do
       timeout 120 python3 examples/train.py $args --attention $attention 2>&1 | grep "^done" \
         | tee -a "$OUT/train.log"
