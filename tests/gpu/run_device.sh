@@ -34,7 +34,7 @@ if has bench; then  # the grid of BENCHMARK.md, every mode, the peers in the sam
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
     --format=csv,noheader -lms 250 > "$OUT/smi.csv" 2>&1 &
   smi=$!
-  timeout ${BENCH_TIMEOUT:-330} python3 -m jax_flash.bench --mode ${BENCH_MODES:-decode,fwd,fwdbwd} \
+  timeout ${BENCH_TIMEOUT:-480} python3 -m jax_flash.bench --mode ${BENCH_MODES:-decode,fwd,fwdbwd} \
     --impl ${BENCH_IMPL:-v2,v3,cudnn,torch_cudnn,torch_flash,flash_decode,xla} --xla-max-seqlen 1 \
     --repeats ${BENCH_REPEATS:-5} --max-seconds ${BENCH_MAX_SECONDS:-300} --out "$OUT/bench" > /tmp/bench.log 2>&1
   echo "bench rc=$?"; sed -n '/^== /,$p' /tmp/bench.log | head -80
