@@ -110,6 +110,11 @@ __device__ __forceinline__ void bulk_commit() {
 __device__ __forceinline__ void bulk_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
+// Waits until every bulk group this thread committed has read its shared-memory source (the
+// buffer may be written again); at once in a thread that committed none.
+__device__ __forceinline__ void bulk_wait_reads() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
 // When `pred`: waits until this thread's committed bulk groups have read their shared-memory
 // sources, then arrives on `bar`. Predicated inside one asm, not branched around, so that it can
 // sit between wgmma issue and wait without a divergent path in the wgmma region.

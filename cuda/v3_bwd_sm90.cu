@@ -545,16 +545,6 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, uint32
       "r"(src), "r"(bytes), "r"(uint32_t(issue))
       : "memory");
 }
-// Returns once the thread's bulk reduces have read their shared source (kReadsOnly) or have
-// completed; at once in a thread that issued none.
-template <bool kReadsOnly>
-__device__ __forceinline__ void bulk_wait_all() {
-  if (kReadsOnly) {
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-  } else {
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-  }
-}
 
 // Gives each element of a new accumulator chain its own register with no instruction: the
 // chain's first wgmma (scale-d = 0) still names the registers as inputs, and left undefined
@@ -628,7 +618,7 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, c
                    "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
                    : "memory");
     }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    fence_proxy_async_shared();
     named_barrier_sync(kDqStagedBarrier + warpgroup, 128);
   }
   const int row_tile = st.m_block * Cfg::kDqRowTiles;
@@ -655,7 +645,7 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, c
   if constexpr (Cfg::kDqByBulkReduce) {  // deterministic mode here
     asm volatile("fence.proxy.async.global;" ::: "memory");  // the acquire, then async-proxy adds
     bulk_reduce_add(tile, staging, Cfg::kDqStageBytes, thread == 0);
-    bulk_wait_all<false>();
+    bulk_wait_all();
     asm volatile("fence.proxy.async.global;" ::: "memory");  // the adds, then the release
   } else {
 #pragma unroll
@@ -817,12 +807,12 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
                                dsa);
     if constexpr (kSplit)
       store_score_gradients<Cfg>(p_tile, 16 * (thread / 32), query_col0, thread % 32, pa);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    fence_proxy_async_shared();
     if constexpr (kRole == DqRole::kHelper) {
       named_barrier_arrive(kDsReadyBarrier + buffer, kConsumerThreads);
     } else {
       if constexpr (Cfg::kDqByBulkReduce)
-        bulk_wait_all<true>();  // the last step's dQ reduce (thread 0's) has read the staging
+        bulk_wait_reads();  // the last step's dQ reduce (thread 0's) has read the staging
       named_barrier_sync(kDsReadyBarrier + buffer, kConsumerThreads);
     }
 
@@ -868,7 +858,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   wgmma_wait<0>();
   fence_registers(dk);
   if constexpr (Cfg::kDqByBulkReduce)
-    bulk_wait_all<true>();  // the staging buffer outlives the last reduce's read
+    bulk_wait_reads();  // the staging buffer outlives the last reduce's read
   if (kb.steps == 0) {  // no query row keeps a key of this block: dK = dV = 0
     zero(dk);
     zero(dv);
