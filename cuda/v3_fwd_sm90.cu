@@ -81,18 +81,25 @@ struct Config {
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V stage
   static constexpr int kSmemLimit = 227 * 1024;
+  // The layout with q_buffers Q buffers: Q buffers, K stages, V stages, then the mbarriers (a
+  // full and an empty one per Q buffer and per K or V stage), + 1024 bytes of base alignment.
+  static constexpr int kv_offset(int q_buffers) { return q_buffers * kQBytes; }
+  static constexpr int barrier_offset(int q_buffers) {
+    return kv_offset(q_buffers) + 2 * kStages * kKVBytes;
+  }
+  static constexpr int smem_bytes(int q_buffers) {
+    return barrier_offset(q_buffers) + 8 * (2 * q_buffers + 4 * kStages) + 1024;
+  }
   // Two Q buffers where they fit (head dims 64 and 128; not 256): the next tile's Q loads while
   // this tile runs, and each tile's output is staged in its own Q buffer and stored by TMA (see
   // stage_output). With one buffer, Q waits for the previous tile's last S GEMM and the output
   // goes from registers to global memory.
-  static constexpr int kQBuffers =
-      2 * kQBytes + 2 * kStages * kKVBytes + 8 * (4 + 4 * kStages) + 1024 <= kSmemLimit ? 2 : 1;
+  static constexpr int kQBuffers = smem_bytes(2) <= kSmemLimit ? 2 : 1;
   static constexpr bool kStageOutput = kQBuffers == 2;
-  static constexpr int kKOffset = kQBuffers * kQBytes;
+  static constexpr int kKOffset = kv_offset(kQBuffers);
   static constexpr int kVOffset = kKOffset + kStages * kKVBytes;
-  static constexpr int kBarrierOffset = kVOffset + kStages * kKVBytes;
-  static constexpr int kBarrierBytes = 8 * (2 * kQBuffers + 4 * kStages);
-  static constexpr int kSmemBytes = kBarrierOffset + kBarrierBytes + 1024;  // + base alignment
+  static constexpr int kBarrierOffset = barrier_offset(kQBuffers);
+  static constexpr int kSmemBytes = smem_bytes(kQBuffers);
   static_assert(kSmemBytes <= kSmemLimit, "tile does not fit in shared memory");
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
 };
