@@ -1212,6 +1212,11 @@ constexpr double kCtaOverheadSteps = 2.0;
 constexpr double kPartialStoreSteps = 0.5;
 constexpr double kReduceBytesPerStep = 9.0e6;
 constexpr double kReduceLaunchSteps = 1.0;
+// Measured (docs/perf-notes-v3.md, "v3 backward, GQA split", device results): under causal
+// masking the unsplit GQA schedule ran 5-21% slower per modelled step than s = 2 (3 shapes:
+// 3.16 / 2.69 / 2.89 us against 2.61 / 2.57 / 2.75), which the count does not see; 1.08 makes
+// the rule pick the measured fastest of s = 1, 2, 4 on all three.
+constexpr double kUnsplitGqaFactor = 1.08;
 
 int key_block_size(int64_t head_dim) { return head_dim > 128 ? 64 : 128; }
 int query_block_size(int64_t head_dim) { return head_dim == 64 ? 128 : 64; }
@@ -1277,6 +1282,8 @@ double schedule_cost(const AttentionShape& sh, const BwdParams& p, bool determin
   if (s > 1) {
     const double bytes = double(dkv_slot_elems(sh)) * (2.0 * s * 4 + 2 * 2);
     end += bytes / kReduceBytesPerStep + kReduceLaunchSteps;
+  } else if (gqa) {
+    end *= kUnsplitGqaFactor;
   }
   return end;
 }
