@@ -47,14 +47,24 @@ struct V3BackwardWorkspace {
   float* dsum = nullptr;         // [B, N, T_pad] D = rowsum(dout * out); T_pad = T rounded to 128
   float* lse_log2 = nullptr;     // [B, N, T_pad] lse * log2(e), +inf for rows with no kept key
   int32_t* dq_semaphore = nullptr;  // deterministic mode only: per 64 query rows of a head
+  // GQA / MQA with few (key block, kv head, batch) CTAs per SM: fp32 dK / dV partials of the
+  // query-head split, [2][V3BackwardMaxKvSplit(shape)][B, S, K, H]. May be null (no split).
+  float* dkv_partial = nullptr;
 };
 
 struct V3BackwardWorkspaceBytes {
-  int64_t dq_accum = 0, dsum = 0, lse_log2 = 0, dq_semaphore = 0;
+  int64_t dq_accum = 0, dsum = 0, lse_log2 = 0, dq_semaphore = 0, dkv_partial = 0;
 };
 
-// Bytes of each workspace (dq_semaphore: 4 bytes when not deterministic, never 0).
+// Bytes of each workspace (dq_semaphore: 4 bytes when not deterministic, never 0; dkv_partial:
+// 2 * V3BackwardMaxKvSplit(shape) * B * S * K * H * 4 when that split is > 1, else 4 bytes).
 V3BackwardWorkspaceBytes V3BackwardWorkspaceSizes(const AttentionShape& shape, bool deterministic);
+
+// The most CTAs per kv head the backward may split a GQA group's query heads over, from the
+// shape alone (1: never split). > 1 when heads_per_kv > 1 and (key blocks x kv heads x batch) <
+// 4 x 132, where key blocks = ceil(S / 128) (ceil(S / 64) at head dim 256): the largest divisor
+// of heads_per_kv that is at most 4. jax_flash/schedules/v3.py mirrors this rule.
+int V3BackwardMaxKvSplit(const AttentionShape& shape);
 
 // nullptr when V3Backward can run `args` on the current device, else the reason it cannot.
 const char* V3BackwardUnsupportedReason(const BackwardArgs& args);
@@ -65,5 +75,18 @@ const char* V3BackwardUnsupportedReason(const BackwardArgs& args);
 // workspaces, else the launch error, if any.
 cudaError_t V3Backward(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
                        bool deterministic, cudaStream_t stream);
+
+// V3Backward with the schedule of the main kernel given, for measurement: kv_split 0 = the rule
+// V3Backward applies; -1 = the default grid (one CTA per key block, kv head and batch); S >= 1
+// = the GQA schedule (longest key blocks first, the kv head's query heads split over S CTAs;
+// S must divide heads_per_kv and, when > 1, be at most V3BackwardMaxKvSplit(shape) with
+// workspace.dkv_partial set). cudaErrorInvalidValue for a split it cannot take.
+cudaError_t V3BackwardScheduled(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
+                                bool deterministic, int kv_split, cudaStream_t stream);
+
+// The schedule V3Backward would run on a device of sm_count SMs (0: the current device; host
+// only, no device needed otherwise): -1 = the default grid, else the GQA schedule's split.
+int V3BackwardChosenSplit(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
+                          bool deterministic, int sm_count = 0);
 
 }  // namespace jax_flash

@@ -4,8 +4,19 @@
 // float64 check, memcheck, benchmark; numbers in docs/perf-notes-v3.md, section "v3
 // backward"). Wired as the FFI
 // target "jax_flash_v3_bwd" (xla_ffi/gpu_v3.cc, jax_flash/schedules/v3.py): outputs dq, dk,
-// dv, then the four workspaces of V3BackwardWorkspaceSizes (cuda/v3.h), none of which the
-// caller needs to clear (preprocess clears dq_accum and the semaphores).
+// dv, then the five workspaces of V3BackwardWorkspaceSizes (cuda/v3.h), none of which the
+// caller needs to clear (preprocess clears dq_accum and the semaphores; the dK / dV partials
+// are stored, not added).
+//
+// Two grids for the main kernel (choose_schedule, "GQA schedule" near the host code):
+//   default: one CTA per (key block, kv head, batch), looping over all the kv head's query
+//     heads (what the list below describes);
+//   GQA schedule (v3_backward_kernel<Cfg, true>), for GQA / MQA with fewer than 4 default CTAs
+//     per SM: the key block the slowest grid index (longest key blocks first under causal
+//     masking) and, when the count says so, the kv head's query heads split over 2 or 4 CTAs,
+//     each storing fp32 dK / dV partials that a 4th kernel (v3_backward_dkv_reduce_kernel)
+//     sums in a fixed order, scales and converts. The default grid's kernels are unchanged
+//     (their SASS is identical to the build before the GQA schedule).
 //
 // Kernels, in stream order:
 //   1. preprocess (one CTA per 64 query rows of a (batch, head), 16-byte loads):
@@ -46,6 +57,8 @@
 //        Epilogue: dK = scale * dK, dV stored from registers (4-byte stores).
 //   3. postprocess (one CTA per 64 query rows of a (batch, head)): dq = scale * dq_accum,
 //      transposed through shared memory into 16-byte stores of whole rows.
+//   4. GQA schedule with a split only: dk = scale * sum of the dK partials, dv = sum of the
+//      dV partials, in slot order.
 //
 // Head dim 256 (BwdConfig::kSplitHeadDim; same kernel, producer, pre/postprocess and
 // workspaces): dK + dV of a warpgroup's 64 keys over the whole head dim would be 256 fp32
@@ -80,9 +93,14 @@
 #include "v3.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <mutex>
+#include <queue>
 #include <utility>
+#include <vector>
 
 #include "hopper.cuh"
 
@@ -213,6 +231,14 @@ struct BwdParams {
   float softcap_inv;  // scale / softcap
   int window_left;    // -1 = unbounded
   int window_right;   // causal folded in; -1 = unbounded
+  // The GQA schedule only (v3_backward_kernel<Cfg, true>; see "GQA schedule" below): the query
+  // heads of a kv head are split over kv_split CTAs of heads_per_cta heads each; with
+  // kv_split > 1 each CTA writes its unscaled fp32 dK, dV partials to slot `split` of
+  // dkv_partial ([2][kv_split][B * kv_len * K * H]: dK slots, then dV slots), which
+  // v3_backward_dkv_reduce_kernel sums in slot order.
+  float* dkv_partial;
+  int64_t dkv_slot_elems;  // B * kv_len * K * H
+  int kv_split, kv_split_log2, heads_per_cta;  // kv_split: 1, 2 or 4
 };
 
 // dq_accum: per (batch, head), T_pad / 64 row tiles x kSlabs column slabs of 64 x 64 floats,
@@ -236,17 +262,33 @@ struct KeyBlock {
   int batch, kv_head, n_block;
   int q_rows, kv_cols;  // valid rows / keys of this batch
   int m_begin, m_end;   // query blocks [m_begin, m_end) hold every row that keeps a key here
-  int steps;            // heads_per_kv * (m_end - m_begin)
+  int steps;            // heads_per_kv * (m_end - m_begin); GQA schedule: heads_per_cta * ..
 };
 
-template <class Cfg>
+// GQA schedule (kGqa; chosen by the host for GQA / MQA shapes with few key blocks x kv heads x
+// batch per SM, see choose_schedule): kv_head is a virtual kv head, (kv head) * kv_split +
+// split, whose heads_per_cta query heads are (virtual kv head) * heads_per_cta + [0,
+// heads_per_cta), so that the loop indexes as in the default grid. Grid (virtual kv heads,
+// batch, key blocks): the key block is the slowest index. Normal mode: key block 0 (the most
+// query blocks under causal masking) of every group is dispatched first, then key block 1, ...
+// (longest first). Deterministic mode: the key blocks in descending order (a key block's dQ
+// adds wait only for higher key blocks of its group, dispatched before it); shortest first,
+// which the count finds no worse than the default grid's order (docs/perf-notes-v3.md).
+// kv head and batch straight from blockIdx in both modes, as in the default grid.
+template <class Cfg, bool kGqa>
 __device__ KeyBlock key_block_of(const BwdParams& p) {
   KeyBlock kb;
-  // Deterministic mode dispatches the key blocks in descending order: a key block waits only
-  // for higher ones (dq_turn), which then are already resident or done.
-  kb.n_block = p.dq_semaphore != nullptr ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  kb.kv_head = blockIdx.y;
-  kb.batch = blockIdx.z;
+  if constexpr (kGqa) {
+    kb.n_block = p.dq_semaphore != nullptr ? gridDim.z - 1 - blockIdx.z : blockIdx.z;
+    kb.kv_head = blockIdx.x;
+    kb.batch = blockIdx.y;
+  } else {
+    // Deterministic mode dispatches the key blocks in descending order: a key block waits only
+    // for higher ones (dq_turn), which then are already resident or done.
+    kb.n_block = p.dq_semaphore != nullptr ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    kb.kv_head = blockIdx.y;
+    kb.batch = blockIdx.z;
+  }
   kb.q_rows = p.q_seqlens ? max(0, min(p.q_seqlens[kb.batch], p.q_len)) : p.q_len;
   kb.kv_cols = p.kv_seqlens ? max(0, min(p.kv_seqlens[kb.batch], p.kv_len)) : p.kv_len;
   const int c0 = kb.n_block * Cfg::kBlockN;
@@ -255,15 +297,18 @@ __device__ KeyBlock key_block_of(const BwdParams& p) {
   const int row_hi = p.window_left >= 0 ? min(kb.q_rows - 1, c1 + p.window_left) : kb.q_rows - 1;
   kb.m_begin = row_lo / Cfg::kBlockM;
   kb.m_end = (c0 > c1 || row_hi < row_lo) ? kb.m_begin : row_hi / Cfg::kBlockM + 1;
-  kb.steps = p.heads_per_kv * (kb.m_end - kb.m_begin);
+  kb.steps = (kGqa ? p.heads_per_cta : p.heads_per_kv) * (kb.m_end - kb.m_begin);
   return kb;
 }
 
 struct Step {
   int head, m_block;
 };
+template <bool kGqa>
 __device__ __forceinline__ Step step_of(const BwdParams& p, const KeyBlock& kb, int it) {
   const int per_head = kb.m_end - kb.m_begin;
+  if constexpr (kGqa)  // kb.kv_head: the virtual kv head (key_block_of)
+    return {kb.kv_head * p.heads_per_cta + it / per_head, kb.m_begin + it % per_head};
   return {kb.kv_head * p.heads_per_kv + it / per_head, kb.m_begin + it % per_head};
 }
 
@@ -295,8 +340,8 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
       : "memory");
 }
 
-template <class Cfg>
-__device__ void run_producer(const BwdParams& p, const KeyBlock& kb, uint32_t smem,
+template <class Cfg, bool kGqa>
+__device__ void run_producer(const BwdParams& p, const KeyBlock& kb, int head0, uint32_t smem,
                              const BwdBarriers& bars) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_q)));
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_do)));
@@ -307,7 +352,8 @@ __device__ void run_producer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   tma_load_tile<Cfg::kSlabs, Cfg::kBlockN>(&p.tma_v, smem + Cfg::kVOffset, bars.kv_full,
                                            kb.n_block * Cfg::kBlockN, kb.kv_head, kb.batch);
   for (int it = 0; it < kb.steps; ++it) {
-    const Step st = step_of(p, kb, it);
+    Step st = step_of<kGqa>(p, kb, it);
+    if constexpr (kGqa) st.head = head0 + it / (kb.m_end - kb.m_begin);
     const int stage = it % Cfg::kStages;
     const uint32_t phase = (it / Cfg::kStages) & 1;
     const int row0 = st.m_block * Cfg::kBlockM;
@@ -686,6 +732,26 @@ __device__ __forceinline__ void store_key_gradient(const BwdParams& p, void* dst
   }
 }
 
+// store_key_gradient's rows and columns, unscaled fp32 into a dkv_partial slot (same row
+// layout as dk / dv: [B, kv_len, K, H]), 8-byte stores.
+template <class Cfg>
+__device__ __forceinline__ void store_key_gradient_partial(const BwdParams& p, float* slot,
+                                                           const KeyBlock& kb, int key0, int col0,
+                                                           const float (&acc)[Cfg::kGradCols / 2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + 8 * r;
+    if (key >= p.kv_len) continue;
+    float* row =
+        slot + ((int64_t(kb.batch) * p.kv_len + key) * p.num_kv_heads + kb.kv_head) * Cfg::kHeadDim;
+#pragma unroll
+    for (int c = 0; c < Cfg::kGradCols / 8; ++c) {
+      *reinterpret_cast<float2*>(row + 8 * c + col0) =
+          make_float2(acc[4 * c + 2 * r], acc[4 * c + 2 * r + 1]);
+    }
+  }
+}
+
 // One step per (query head, query block); per step the tensor-core queue holds, in order:
 //   owner:  S^T, dP^T | dV (RS, P^T) | dQ (SS, both warpgroups' dS^T) | dK (SS, dS^T)
 //   helper: S^T, dP^T | dV (RS, P^T) | dK (SS, dS^T)
@@ -714,7 +780,7 @@ __device__ __forceinline__ void store_key_gradient(const BwdParams& p, void* dst
 // buffer i % 2 was last read by step i - 2's dV and dQ GEMMs, which both warpgroups had
 // completed before passing step i - 1's barrier. The register fragments of the RS GEMMs die
 // at the step's wait_group 1 (they are older than the last group), not across the back edge.
-template <class Cfg, DqRole kRole>
+template <class Cfg, DqRole kRole, bool kGqa>
 __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t smem,
                              const BwdBarriers& bars, int warpgroup) {
   constexpr bool kSplit = Cfg::kSplitHeadDim;
@@ -753,7 +819,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   int stage = 0, last_stage = Cfg::kStages - 1;
   uint32_t phase = 0;
   for (int it = 0; it < kb.steps; ++it) {
-    const Step st = step_of(p, kb, it);
+    const Step st = step_of<kGqa>(p, kb, it);
     const int buffer = it % 2;
     const uint32_t q_tile = smem + Cfg::kQOffset + stage * Cfg::kQBytes;
     const uint32_t do_tile = smem + Cfg::kDoOffset + stage * Cfg::kQBytes;
@@ -863,11 +929,26 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     zero(dk);
     zero(dv);
   }
+  if constexpr (kGqa) {
+    KeyBlock out = kb;  // the real kv head and the split, from the virtual kv head
+    out.kv_head = kb.kv_head >> p.kv_split_log2;
+    const int split = kb.kv_head & (p.kv_split - 1);
+    if (p.kv_split > 1) {  // partials, summed and converted by v3_backward_dkv_reduce_kernel
+      store_key_gradient_partial<Cfg>(p, p.dkv_partial + split * p.dkv_slot_elems, out, key0,
+                                      lane.col0 + grad_col0, dk);
+      store_key_gradient_partial<Cfg>(p, p.dkv_partial + (p.kv_split + split) * p.dkv_slot_elems,
+                                      out, key0, lane.col0 + grad_col0, dv);
+    } else {
+      store_key_gradient<Cfg>(p, p.dk, out, key0, lane.col0 + grad_col0, dk, p.scale);
+      store_key_gradient<Cfg>(p, p.dv, out, key0, lane.col0 + grad_col0, dv, 1.f);
+    }
+    return;
+  }
   store_key_gradient<Cfg>(p, p.dk, kb, key0, lane.col0 + grad_col0, dk, p.scale);
   store_key_gradient<Cfg>(p, p.dv, kb, key0, lane.col0 + grad_col0, dv, 1.f);
 }
 
-template <class Cfg>
+template <class Cfg, bool kGqa>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     v3_backward_kernel(const __grid_constant__ BwdParams p) {
   extern __shared__ uint8_t smem_raw[];
@@ -887,22 +968,35 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
   __syncthreads();
 
-  const KeyBlock kb = key_block_of<Cfg>(p);
+  const KeyBlock kb = key_block_of<Cfg, kGqa>(p);
   // Broadcast from lane 0 so that the compiler knows it is warp-uniform: the consumer roles
   // below are separate wgmma paths, which ptxas otherwise treats as divergent (C7520).
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   if (warpgroup == 0) {
+    // GQA schedule: the producer gets the real kv head (K / V) in its KeyBlock and the first
+    // query head of its steps, both computed here before the register shrink. Computed inside
+    // run_producer from the virtual kv head (nvcc 13.0), the H = 64 instantiation spilled
+    // 20 / 76 bytes instead of the default kernel's 8 / 24, with one more reload per step in
+    // the helper and one in the owner's softcap branch; this way 8 / 32 (the extra 8-byte
+    // reload is in the partial-store epilogue).
+    KeyBlock producer_kb = kb;
+    int head0 = 0;
+    if constexpr (kGqa) {
+      producer_kb.kv_head = kb.kv_head >> p.kv_split_log2;
+      head0 = kb.kv_head * p.heads_per_cta;
+    }
     shrink_registers<Cfg::kProducerRegisters>();
-    if (threadIdx.x == 0) run_producer<Cfg>(p, kb, smem, bars);
+    if (threadIdx.x == 0) run_producer<Cfg, kGqa>(p, producer_kb, head0, smem, bars);
   } else if (warpgroup == 1) {
     // A separate instantiation per role: a branch on the role inside the loop, between wgmma
     // issue and wait, would be a divergent path to ptxas (C7520, serialized wgmmas).
     grow_registers<Cfg::kOwnerRegisters>();
-    run_consumer<Cfg, Cfg::kSplitHeadDim ? DqRole::kShared : DqRole::kOwner>(p, kb, smem, bars, 0);
+    run_consumer<Cfg, Cfg::kSplitHeadDim ? DqRole::kShared : DqRole::kOwner, kGqa>(p, kb, smem,
+                                                                                  bars, 0);
   } else {
     grow_registers<Cfg::kHelperRegisters>();
-    run_consumer<Cfg, Cfg::kSplitHeadDim ? DqRole::kShared : DqRole::kHelper>(p, kb, smem, bars,
-                                                                              1);
+    run_consumer<Cfg, Cfg::kSplitHeadDim ? DqRole::kShared : DqRole::kHelper, kGqa>(p, kb, smem,
+                                                                                   bars, 1);
   }
 }
 
@@ -1034,6 +1128,30 @@ __global__ void __launch_bounds__(128) v3_backward_postprocess_kernel(
   }
 }
 
+// GQA schedule with kv_split > 1: dk = scale * sum of the dK slots, dv = sum of the dV slots,
+// added in slot order (deterministic). 4 elements per thread and iteration (16-byte loads, one
+// per slot and tensor; 8-byte stores); grid-stride.
+template <typename Element>
+__global__ void __launch_bounds__(256) v3_backward_dkv_reduce_kernel(
+    const float* __restrict__ partial, int64_t slot_elems, int splits, float scale, void* dk,
+    void* dv) {
+  const int64_t quads = slot_elems / 4;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < quads;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    float4 k = reinterpret_cast<const float4*>(partial)[i];
+    float4 v = reinterpret_cast<const float4*>(partial + splits * slot_elems)[i];
+    for (int s = 1; s < splits; ++s) {
+      const float4 k1 = reinterpret_cast<const float4*>(partial + s * slot_elems)[i];
+      const float4 v1 = reinterpret_cast<const float4*>(partial + (splits + s) * slot_elems)[i];
+      k.x += k1.x, k.y += k1.y, k.z += k1.z, k.w += k1.w;
+      v.x += v1.x, v.y += v1.y, v.z += v1.z, v.w += v1.w;
+    }
+    reinterpret_cast<uint2*>(dk)[i] =
+        make_uint2(pack2<Element>(k.x * scale, k.y * scale), pack2<Element>(k.z * scale, k.w * scale));
+    reinterpret_cast<uint2*>(dv)[i] = make_uint2(pack2<Element>(v.x, v.y), pack2<Element>(v.z, v.w));
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // Host side
 // ------------------------------------------------------------------------------------------
@@ -1053,9 +1171,161 @@ struct BwdConfigFor<Element, 256> {
   using type = BwdConfig<Element, 256, 64>;
 };
 
+// ---- GQA schedule: when it is used, and with how many CTAs per kv head ----
+//
+// The default grid has one CTA per (key block, kv head, batch) and loops over all heads_per_kv
+// query heads in it. For GQA / MQA with few such CTAs per SM the last wave decides the time:
+// e.g. B = 4, T = 4096, 16 query heads over 2 kv heads, H = 128, causal: 32 x 2 x 4 = 256 CTAs
+// on 132 SMs, key block n doing 8 x (64 - 2n) steps (512 .. 16), 516 steps per SM on average
+// counting 2 steps of per-CTA overhead, so the 8 key-block-0 CTAs alone are as long as the
+// average SM's load; the default grid dispatches them at linear positions 0, 32, ..., 224,
+// the last ones only after ~300 steps, and a list-scheduling count gives 820 steps (1.59x the
+// average). The GQA schedule (v3_backward_kernel<Cfg, true>) dispatches the longest key blocks
+// first (normal mode) and may split the group's query heads over kv_split CTAs, whose fp32
+// dK / dV partials v3_backward_dkv_reduce_kernel sums. choose_schedule counts the candidates
+// with the same list-scheduling model (CTAs dispatched in grid order onto the first free SM,
+// cost in steps of one CTA step) and takes the cheapest; docs/perf-notes-v3.md, "v3 backward,
+// GQA split", has the numbers.
+
+constexpr int kMaxKvSplit = 4;  // splits are 1, 2 or 4 (a power of two)
+// The most SMs of an sm_90 part (H100 SXM, H200, GH200): the dkv_partial workspace is sized
+// from the shape for this count (the Python side has no device), and the rule never picks
+// more CTAs per kv head on a device with fewer SMs.
+constexpr int kWorkspaceSmCount = 132;
+// The GQA schedule is considered below this many default-grid CTAs per SM.
+constexpr int kGqaMaxCtasPerSm = 4;
+// Model costs, in steps of one CTA (10.5 MFLOP, ~2.56 us on the H200 at H = 128; measured:
+// main kernel of H=128 T=4096 B=4 N=16, 1.48 ms causal / 580 modelled steps, 2.72 ms
+// non-causal / 1056): per-CTA overhead (K / V load, pipeline fill, dK / dV store), its extra
+// with fp32 partials, and the reduce kernel's traffic (~9 MB per step at ~3.5 TB/s) + launch.
+constexpr double kCtaOverheadSteps = 2.0;
+constexpr double kPartialStoreSteps = 0.5;
+constexpr double kReduceBytesPerStep = 9.0e6;
+constexpr double kReduceLaunchSteps = 1.0;
+// Measured (docs/perf-notes-v3.md, "v3 backward, GQA split", device results): under causal
+// masking the unsplit GQA schedule ran 5-21% slower per modelled step than s = 2 (3 shapes:
+// 3.16 / 2.69 / 2.89 us against 2.61 / 2.57 / 2.75), which the count does not see; 1.08 makes
+// the rule pick the measured fastest of s = 1, 2, 4 on all three.
+constexpr double kUnsplitGqaFactor = 1.08;
+
+int key_block_size(int64_t head_dim) { return head_dim > 128 ? 64 : 128; }
+int query_block_size(int64_t head_dim) { return head_dim == 64 ? 128 : 64; }
+int64_t key_blocks(const AttentionShape& sh) {
+  const int bn = key_block_size(sh.head_dim);
+  return (sh.kv_len + bn - 1) / bn;
+}
+
+bool gqa_schedule_considered(const AttentionShape& sh, int sm_count) {
+  if (sh.num_kv_heads <= 0 || sh.num_heads <= sh.num_kv_heads) return false;
+  return key_blocks(sh) * sh.num_kv_heads * sh.batch < int64_t(kGqaMaxCtasPerSm) * sm_count;
+}
+
+// The largest split the dkv_partial workspace is sized for (1: none, a 4-byte workspace).
+int workspace_kv_split(const AttentionShape& sh) {
+  if (!gqa_schedule_considered(sh, kWorkspaceSmCount)) return 1;
+  const int64_t g = sh.num_heads / sh.num_kv_heads;
+  for (int s = kMaxKvSplit; s > 1; s /= 2)
+    if (g % s == 0) return s;
+  return 1;
+}
+
+int64_t dkv_slot_elems(const AttentionShape& sh) {
+  return sh.batch * sh.kv_len * sh.num_kv_heads * sh.head_dim;
+}
+
+// Steps of one head over key block n (full lengths), as key_block_of counts them.
+int64_t steps_per_head(const AttentionShape& sh, const BwdParams& p, int64_t n) {
+  const int64_t bn = key_block_size(sh.head_dim), bm = query_block_size(sh.head_dim);
+  const int64_t c0 = n * bn, c1 = std::min(c0 + bn, sh.kv_len) - 1;
+  const int64_t row_lo = p.window_right >= 0 ? std::max<int64_t>(0, c0 - p.window_right) : 0;
+  const int64_t row_hi = p.window_left >= 0 ? std::min(sh.q_len - 1, c1 + p.window_left)
+                                            : sh.q_len - 1;
+  if (c0 > c1 || row_hi < row_lo || sh.q_len <= 0) return 0;
+  return row_hi / bm + 1 - row_lo / bm;
+}
+
+// Modelled time (steps) of a schedule: split < 1 = the default grid, else the GQA schedule.
+double schedule_cost(const AttentionShape& sh, const BwdParams& p, bool deterministic, int split,
+                     int sm_count, const std::vector<int64_t>& per_head) {
+  const int64_t blocks = int64_t(per_head.size());
+  const bool gqa = split >= 1;
+  const int s = gqa ? split : 1;
+  const int64_t groups = sh.batch * sh.num_kv_heads * s;
+  const int64_t heads = sh.num_heads / sh.num_kv_heads / s;
+  const double overhead = kCtaOverheadSteps + (s > 1 ? kPartialStoreSteps : 0.0);
+  std::priority_queue<double, std::vector<double>, std::greater<double>> free_at;
+  for (int i = 0; i < sm_count; ++i) free_at.push(0.0);
+  double end = 0.0;
+  for (int64_t i = 0; i < blocks * groups; ++i) {
+    int64_t n;
+    if (gqa) {  // key block slowest: ascending (longest first), deterministic descending
+      n = deterministic ? blocks - 1 - i / groups : i / groups;
+    } else {
+      const int64_t x = i % blocks;
+      n = deterministic ? blocks - 1 - x : x;
+    }
+    const double t = free_at.top() + heads * double(per_head[n]) + overhead;
+    free_at.pop();
+    free_at.push(t);
+    end = std::max(end, t);
+  }
+  if (s > 1) {
+    const double bytes = double(dkv_slot_elems(sh)) * (2.0 * s * 4 + 2 * 2);
+    end += bytes / kReduceBytesPerStep + kReduceLaunchSteps;
+  } else if (gqa) {
+    end *= kUnsplitGqaFactor;
+  }
+  return end;
+}
+
+// -1: the default grid; else the GQA schedule with that many CTAs per kv head.
+int choose_schedule(const AttentionShape& sh, const BwdParams& p, bool deterministic,
+                    int sm_count, int max_split) {
+  if (!gqa_schedule_considered(sh, sm_count)) return -1;
+  struct Entry {
+    std::array<int64_t, 11> key;
+    int split;
+  };
+  static std::mutex mutex;
+  static std::vector<Entry> cache;
+  const std::array<int64_t, 11> key{sh.batch, sh.q_len, sh.kv_len, sh.num_heads, sh.num_kv_heads,
+                                    sh.head_dim, p.window_left, p.window_right,
+                                    int64_t(deterministic), sm_count, max_split};
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const Entry& e : cache)
+      if (e.key == key) return e.split;
+  }
+  std::vector<int64_t> per_head(size_t(key_blocks(sh)));
+  for (size_t n = 0; n < per_head.size(); ++n) per_head[n] = steps_per_head(sh, p, int64_t(n));
+  const int64_t g = sh.num_heads / sh.num_kv_heads;
+  int best = -1;
+  double best_cost = schedule_cost(sh, p, deterministic, -1, sm_count, per_head);
+  for (int s = 1; s <= std::min<int64_t>(max_split, g); s *= 2) {
+    if (g % s != 0) continue;
+    const double cost = schedule_cost(sh, p, deterministic, s, sm_count, per_head);
+    if (cost < 0.99 * best_cost) {  // a smaller split unless 1% slower
+      best = s;
+      best_cost = cost;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  if (cache.size() >= 64) cache.erase(cache.begin());
+  cache.push_back({key, best});
+  return best;
+}
+
+// The BwdParams fields of launch_main that choose_schedule reads (windows).
+BwdParams window_params(const BackwardArgs& a) {
+  BwdParams p{};
+  set_score_params(p, a.fwd.spec);
+  return p;
+}
+
+// split < 1: the default grid (v3_backward_kernel<Cfg, false>); else the GQA schedule.
 template <class Cfg>
 cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bool deterministic,
-                        cudaStream_t stream) {
+                        int split, cudaStream_t stream) {
   const AttentionShape& sh = a.fwd.shape;
   BwdParams p;
   if (!encode_tensor_map(&p.tma_q, a.fwd.q, a.fwd.dtype, sh.batch, sh.q_len, sh.num_heads,
@@ -1086,7 +1356,28 @@ cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bo
   p.scale = spec.scale;
   set_score_params(p, spec);
 
-  const auto kernel = v3_backward_kernel<Cfg>;
+  if (split >= 1) {
+    p.kv_split = split;
+    p.kv_split_log2 = split == 4 ? 2 : split == 2 ? 1 : 0;
+    p.heads_per_cta = p.heads_per_kv / split;
+    p.dkv_partial = ws.dkv_partial;
+    p.dkv_slot_elems = dkv_slot_elems(sh);
+    const auto kernel = v3_backward_kernel<Cfg, true>;
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    if (err != cudaSuccess) return err;
+    const int64_t blocks = key_blocks(sh), virtual_kv_heads = sh.num_kv_heads * split;
+    if (blocks > 65535 || virtual_kv_heads > 65535) return cudaErrorInvalidValue;
+    const dim3 grid(unsigned(virtual_kv_heads), unsigned(sh.batch), unsigned(blocks));
+    kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+    return cudaGetLastError();
+  }
+  p.dkv_partial = nullptr;
+  p.dkv_slot_elems = 0;
+  p.kv_split = 1;
+  p.kv_split_log2 = 0;
+  p.heads_per_cta = p.heads_per_kv;
+  const auto kernel = v3_backward_kernel<Cfg, false>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -1100,7 +1391,7 @@ cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bo
 
 template <typename Element, int kHeadDim>
 cudaError_t launch_all(const BackwardArgs& a, const V3BackwardWorkspace& ws, bool deterministic,
-                       cudaStream_t stream) {
+                       int split, int sm_count, cudaStream_t stream) {
   const AttentionShape& sh = a.fwd.shape;
   PrePostParams pp;
   pp.out = a.fwd.out;
@@ -1122,8 +1413,17 @@ cudaError_t launch_all(const BackwardArgs& a, const V3BackwardWorkspace& ws, boo
     v3_backward_preprocess_kernel<Element, kHeadDim><<<row_grid, 256, 0, stream>>>(pp);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
-  err = launch_main<typename BwdConfigFor<Element, kHeadDim>::type>(a, ws, deterministic, stream);
+  err = launch_main<typename BwdConfigFor<Element, kHeadDim>::type>(a, ws, deterministic, split,
+                                                                    stream);
   if (err != cudaSuccess) return err;
+  if (split > 1) {
+    const int64_t slot = dkv_slot_elems(sh);
+    const int64_t blocks = std::min<int64_t>((slot / 4 + 255) / 256, int64_t(8) * sm_count);
+    v3_backward_dkv_reduce_kernel<Element><<<unsigned(std::max<int64_t>(blocks, 1)), 256, 0,
+                                             stream>>>(ws.dkv_partial, slot, split, a.fwd.spec.scale,
+                                                       a.dk, a.dv);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
   if (sh.q_len > 0) {
     v3_backward_postprocess_kernel<Element, kHeadDim><<<row_grid, 128, 0, stream>>>(pp);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
@@ -1140,8 +1440,12 @@ V3BackwardWorkspaceBytes V3BackwardWorkspaceSizes(const AttentionShape& sh, bool
   b.dsum = rows * 4;
   b.lse_log2 = rows * 4;
   b.dq_semaphore = deterministic ? rows / kDqTileRows * 4 : 4;
+  const int split = workspace_kv_split(sh);
+  b.dkv_partial = split > 1 ? 2 * split * dkv_slot_elems(sh) * 4 : 4;
   return b;
 }
+
+int V3BackwardMaxKvSplit(const AttentionShape& shape) { return workspace_kv_split(shape); }
 
 const char* V3BackwardUnsupportedReason(const BackwardArgs& a) {
   const AttentionShape& sh = a.fwd.shape;
@@ -1170,22 +1474,65 @@ const char* V3BackwardUnsupportedReason(const BackwardArgs& a) {
   return nullptr;
 }
 
-cudaError_t V3Backward(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
-                       bool deterministic, cudaStream_t stream) {
+namespace {
+
+// The schedule V3BackwardScheduled runs: kv_split 0 = choose_schedule's, else kv_split as given
+// (-1 = the default grid). Returns -2 for a kv_split this call cannot take.
+int resolve_split(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
+                  bool deterministic, int kv_split, int sm_count) {
+  const AttentionShape& sh = args.fwd.shape;
+  const int max_split = workspace.dkv_partial != nullptr ? workspace_kv_split(sh) : 1;
+  if (kv_split == 0)
+    return choose_schedule(sh, window_params(args), deterministic, sm_count, max_split);
+  if (kv_split == -1) return -1;
+  const int64_t g = sh.num_heads / sh.num_kv_heads;
+  if (kv_split < 1 || kv_split > kMaxKvSplit || (kv_split & (kv_split - 1)) != 0 ||
+      g % kv_split != 0 || kv_split > std::max(max_split, 1))
+    return -2;
+  return kv_split;
+}
+
+}  // namespace
+
+cudaError_t V3BackwardScheduled(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
+                                bool deterministic, int kv_split, cudaStream_t stream) {
   if (V3BackwardUnsupportedReason(args) != nullptr) return cudaErrorInvalidValue;
   if (workspace.dq_accum == nullptr || workspace.dsum == nullptr ||
       workspace.lse_log2 == nullptr || (deterministic && workspace.dq_semaphore == nullptr))
     return cudaErrorInvalidValue;
   if (args.fwd.shape.batch * args.fwd.shape.num_heads == 0) return cudaSuccess;
+  DeviceInfo info;
+  cudaError_t err = current_device_info(&info);
+  if (err != cudaSuccess) return err;
+  const int split = resolve_split(args, workspace, deterministic, kv_split, info.sm_count);
+  if (split == -2) return cudaErrorInvalidValue;
+  const int sms = info.sm_count;
   const bool bf16 = args.fwd.dtype == DType::kBF16;
   if (args.fwd.shape.head_dim == 64)
-    return bf16 ? launch_all<__nv_bfloat16, 64>(args, workspace, deterministic, stream)
-                : launch_all<__half, 64>(args, workspace, deterministic, stream);
+    return bf16 ? launch_all<__nv_bfloat16, 64>(args, workspace, deterministic, split, sms, stream)
+                : launch_all<__half, 64>(args, workspace, deterministic, split, sms, stream);
   if (args.fwd.shape.head_dim == 128)
-    return bf16 ? launch_all<__nv_bfloat16, 128>(args, workspace, deterministic, stream)
-                : launch_all<__half, 128>(args, workspace, deterministic, stream);
-  return bf16 ? launch_all<__nv_bfloat16, 256>(args, workspace, deterministic, stream)
-              : launch_all<__half, 256>(args, workspace, deterministic, stream);
+    return bf16 ? launch_all<__nv_bfloat16, 128>(args, workspace, deterministic, split, sms, stream)
+                : launch_all<__half, 128>(args, workspace, deterministic, split, sms, stream);
+  return bf16 ? launch_all<__nv_bfloat16, 256>(args, workspace, deterministic, split, sms, stream)
+              : launch_all<__half, 256>(args, workspace, deterministic, split, sms, stream);
+}
+
+cudaError_t V3Backward(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
+                       bool deterministic, cudaStream_t stream) {
+  return V3BackwardScheduled(args, workspace, deterministic, 0, stream);
+}
+
+int V3BackwardChosenSplit(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
+                          bool deterministic, int sm_count) {
+  if (args.fwd.shape.num_kv_heads <= 0 || args.fwd.shape.num_heads % args.fwd.shape.num_kv_heads)
+    return -1;
+  if (sm_count <= 0) {
+    DeviceInfo info;
+    if (current_device_info(&info) != cudaSuccess) return -1;
+    sm_count = info.sm_count;
+  }
+  return resolve_split(args, workspace, deterministic, 0, sm_count);
 }
 
 }  // namespace jax_flash

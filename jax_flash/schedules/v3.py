@@ -24,6 +24,11 @@ from jax_flash.schedules.base import HOPPER, Schedule, register
 HEAD_DIMS = (64, 128, 256)
 _ROW_PAD = 128         # kRowPad in cuda/v3_bwd_sm90.cu
 _SEMAPHORE_ROWS = 64   # query rows per dQ semaphore (kDqTileRows)
+# The GQA split of the backward (V3BackwardMaxKvSplit in cuda/v3_bwd_sm90.cu): considered when
+# heads_per_kv > 1 and key blocks x kv heads x batch < _SPLIT_CTAS_PER_SM x _SPLIT_SM_COUNT.
+_MAX_KV_SPLIT = 4          # kMaxKvSplit (splits are powers of two)
+_SPLIT_SM_COUNT = 132      # kWorkspaceSmCount: the most SMs of an sm_90 part
+_SPLIT_CTAS_PER_SM = 4     # kGqaMaxCtasPerSm
 
 
 def _envelope(shape: AttentionShape, config: AttentionConfig) -> str | None:
@@ -36,17 +41,38 @@ def _envelope(shape: AttentionShape, config: AttentionConfig) -> str | None:
   return None
 
 
+def max_kv_split(shape: AttentionShape) -> int:
+  """V3BackwardMaxKvSplit (cuda/v3.h): the most CTAs the backward may split a kv head's query
+  heads over (1: never). Key blocks are 128 keys (64 at head dim 256)."""
+  if shape.num_kv_heads <= 0 or shape.num_heads <= shape.num_kv_heads:
+    return 1
+  key_block = 64 if shape.head_dim > 128 else 128
+  blocks = -(-shape.kv_len // key_block)
+  if blocks * shape.num_kv_heads * shape.batch >= _SPLIT_CTAS_PER_SM * _SPLIT_SM_COUNT:
+    return 1
+  group = shape.num_heads // shape.num_kv_heads
+  split = _MAX_KV_SPLIT
+  while split > 1 and group % split:
+    split //= 2
+  return split
+
+
 def backward_workspaces(shape: AttentionShape, dtype):
   """The outputs V3BackwardWorkspaceSizes(shape, deterministic=true) sizes (cuda/v3.h), with
   T_pad = T rounded up to 128: dq_accum f32 [B, N, T_pad, H], dsum and lse_log2 f32
   [B, N, T_pad], dq_semaphore s32 [B * N * T_pad / 64] (read only in deterministic mode; one
-  size keeps the workspaces independent of the attribute)."""
+  size keeps the workspaces independent of the attribute), dkv_partial f32
+  [2 * s * B * S * K * H] with s = max_kv_split(shape) when s > 1, else f32 [1] (the fp32
+  dK / dV partials of the GQA split)."""
   del dtype
   b, n, h = shape.batch, shape.num_heads, shape.head_dim
   t_pad = -(-shape.q_len // _ROW_PAD) * _ROW_PAD
   rows = jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)
+  split = max_kv_split(shape)
+  partial = (2 * split * b * shape.kv_len * shape.num_kv_heads * h) if split > 1 else 1
   return (jax.ShapeDtypeStruct((b, n, t_pad, h), jnp.float32), rows, rows,
-          jax.ShapeDtypeStruct((b * n * t_pad // _SEMAPHORE_ROWS,), jnp.int32))
+          jax.ShapeDtypeStruct((b * n * t_pad // _SEMAPHORE_ROWS,), jnp.int32),
+          jax.ShapeDtypeStruct((partial,), jnp.float32))
 
 
 # The Schedule fields of the v3 backward: the v3 schedule's, and the decode schedule's too.

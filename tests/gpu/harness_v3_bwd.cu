@@ -13,6 +13,15 @@
 //          where it served the gradients before the v3 backward took that head dim)
 //   --bench-one H T causal  one grid row (v2 timed when H = 256); profile H T causal: two
 //          plain v3 backward runs of that row (for ncu)
+//   check also runs GQA / MQA cases under every schedule of the main kernel (the default grid,
+//          the GQA schedule unsplit and split over 2 / 4 CTAs, and the rule's choice), each in
+//          both modes against one float64 reference; small adds two of them for memcheck
+//   --bench-gqa  the GQA training shapes (B=4 T=4096 N=16 K=2, B=1 T=4096 N=32 K=8, B=2
+//          T=8192 N=32 K=4; H=128, causal and not): each schedule checked against the default
+//          grid's gradients, then timed (cudaEvent median of 20), schedules interleaved, two
+//          rounds; deterministic mode too. "default" is the code of the build before the GQA
+//          schedule (same SASS), so each row is its own A/B.
+//   --bench-gqa-one B T N K H causal  the same for one shape
 //
 // Build: tests/gpu/build_v3_bwd.sh (static cudart; runs on the H200 unchanged).
 // Exit status: 0 when every check passed.
@@ -73,6 +82,7 @@ struct Problem {
   // v3 workspaces (deterministic sizes: a superset) and v2 workspaces.
   float *dq_accum, *dsum, *lse_log2;
   int32_t* dq_semaphore;
+  float* dkv_partial;
   float *v2_dq_accum, *v2_dsum;
 
   int64_t q_elems() const { return c.B * c.T * c.N * c.H; }
@@ -94,6 +104,7 @@ struct Problem {
     dsum = device_alloc<float>(ws.dsum / 4);
     lse_log2 = device_alloc<float>(ws.lse_log2 / 4);
     dq_semaphore = device_alloc<int32_t>(ws.dq_semaphore / 4);
+    dkv_partial = device_alloc<float>(ws.dkv_partial / 4);
     v2_dq_accum = device_alloc<float>(jax_flash::backward_dq_accum_elements(shape));
     v2_dsum = device_alloc<float>(jax_flash::backward_dsum_elements(shape));
     fill_random(c.dtype, q, q_elems(), seed * 5 + 1);
@@ -114,7 +125,7 @@ struct Problem {
   ~Problem() {
     for (void* p : std::initializer_list<void*>{q, k, v, out, dout, dq, dk, dv, lse, q_seqlens,
                                                 kv_seqlens, dq_accum, dsum, lse_log2,
-                                                dq_semaphore, v2_dq_accum, v2_dsum})
+                                                dq_semaphore, dkv_partial, v2_dq_accum, v2_dsum})
       cudaFree(p);
   }
 
@@ -142,11 +153,30 @@ struct Problem {
     CUDA_CHECK(cudaMemset(dsum, 0xFF, ws.dsum));
     CUDA_CHECK(cudaMemset(lse_log2, 0xFF, ws.lse_log2));
     CUDA_CHECK(cudaMemset(dq_semaphore, 0x7F, ws.dq_semaphore));
+    CUDA_CHECK(cudaMemset(dkv_partial, 0xFF, ws.dkv_partial));
   }
 
+  jax_flash::V3BackwardWorkspace workspace() const {
+    return {dq_accum, dsum, lse_log2, dq_semaphore, dkv_partial};
+  }
   cudaError_t launch_v3(bool deterministic) {
-    return jax_flash::V3Backward(backward_args(), {dq_accum, dsum, lse_log2, dq_semaphore},
-                                 deterministic, 0);
+    return jax_flash::V3Backward(backward_args(), workspace(), deterministic, 0);
+  }
+  // kv_split: 0 = the rule (as launch_v3), -1 = the default grid, S >= 1 = the GQA schedule.
+  cudaError_t launch_v3_split(bool deterministic, int kv_split) {
+    return jax_flash::V3BackwardScheduled(backward_args(), workspace(), deterministic, kv_split, 0);
+  }
+  int chosen_split(bool deterministic) const {
+    return jax_flash::V3BackwardChosenSplit(backward_args(), workspace(), deterministic);
+  }
+  // The schedules this shape can run: default grid, rule, and every valid split.
+  std::vector<int> schedules() const {
+    std::vector<int> s = {-1, 0};
+    const int max_split =
+        jax_flash::V3BackwardMaxKvSplit({c.B, c.T, c.S, c.N, c.K, c.H});
+    for (int k : {1, 2, 4})
+      if (c.N / c.K % k == 0 && c.N > c.K && (k == 1 || k <= max_split)) s.push_back(k);
+    return s;
   }
   cudaError_t launch_v2() {
     return jax_flash::launch_v2_backward(backward_args(), {v2_dq_accum, v2_dsum}, 0);
@@ -332,6 +362,74 @@ std::vector<Case> check_cases() {
   return cs;
 }
 
+// GQA / MQA cases with few key blocks x kv heads x batch: the GQA schedule (rule, forced
+// splits) against the float64 reference; check_split_case runs every schedule.
+std::vector<Case> split_cases() {
+  const DType bf = DType::kBF16, hf = DType::kF16;
+  std::vector<Case> cs;
+  cs.push_back({bf, 2, 512, 512, 16, 2, 128, true});  // GQA 8:1, causal
+  cs.push_back({bf, 1, 384, 384, 16, 2, 128});        // GQA 8:1
+  cs.push_back({hf, 1, 300, 300, 8, 1, 64});          // MQA
+  cs.push_back({bf, 1, 520, 520, 8, 1, 64, true});    // MQA, causal
+  cs.push_back({bf, 1, 200, 200, 8, 1, 256, true});   // MQA, causal, H = 256
+  cs.push_back({hf, 2, 130, 270, 8, 2, 256});         // GQA 4:1, T < S, H = 256
+  cs.push_back({hf, 1, 333, 200, 8, 2, 128, true});   // GQA 4:1, T > S
+  cs.push_back({bf, 1, 300, 300, 12, 2, 128, true});  // GQA 6:1 (splits 1, 2)
+  Case w{bf, 1, 400, 400, 8, 2, 128};
+  w.window_left = 64;
+  w.window_right = 32;
+  cs.push_back(w);
+  Case vl{bf, 3, 300, 300, 8, 2, 64, true};
+  vl.q_seqlens = {300, 150, 0};
+  vl.kv_seqlens = {200, 300, 7};
+  cs.push_back(vl);
+  Case sc{bf, 1, 256, 256, 8, 2, 64, true};  // softcap at H = 64 (the branch with a spill)
+  sc.softcap = 10.f;
+  cs.push_back(sc);
+  Case sc256{hf, 1, 200, 300, 8, 2, 256};
+  sc256.softcap = 20.f;
+  cs.push_back(sc256);
+  return cs;
+}
+
+bool check_case(const Case& c, uint64_t seed);
+
+bool check_split_case(const Case& c, uint64_t seed) {
+  Problem pb(c, seed);
+  const RefGrads ref = reference(c, to_host16(pb.q, pb.q_elems()), to_host16(pb.k, pb.kv_elems()),
+                                 to_host16(pb.v, pb.kv_elems()), to_host16(pb.dout, pb.q_elems()));
+  bool ok = true;
+  for (const int split : pb.schedules()) {
+    for (const bool det : {false, true}) {
+      pb.poison();
+      const cudaError_t err = pb.launch_v3_split(det, split);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      if (err != cudaSuccess) {
+        std::printf("FAIL split=%d det=%d launch error %s %s\n", split, int(det),
+                    cudaGetErrorString(err), c.describe().c_str());
+        ok = false;
+        continue;
+      }
+      const Problem::Grads first = pb.fetch();
+      bool repeatable = true;
+      if (det) {
+        pb.poison();
+        CUDA_CHECK(pb.launch_v3_split(det, split));
+        CUDA_CHECK(cudaDeviceSynchronize());
+        repeatable = first == pb.fetch();
+      }
+      Errors e[3] = {compare(first.dq, ref.dq, c.dtype), compare(first.dk, ref.dk, c.dtype),
+                     compare(first.dv, ref.dv, c.dtype)};
+      char what[64], extra[96];
+      std::snprintf(what, sizeof what, "%s s=%d", det ? "v3-det" : "v3", split);
+      std::snprintf(extra, sizeof extra, " rule=%d%s", pb.chosen_split(det),
+                    det ? (repeatable ? " bitwise-repeatable" : " NOT-REPEATABLE") : "");
+      ok &= report(what, c, e, repeatable, extra);
+    }
+  }
+  return ok;
+}
+
 bool check_case(const Case& c, uint64_t seed) {
   Problem pb(c, seed);
   const RefGrads ref = reference(c, to_host16(pb.q, pb.q_elems()), to_host16(pb.k, pb.kv_elems()),
@@ -444,10 +542,101 @@ bool bench(const std::vector<Case>& cases, int reps, int64_t v2_from_head_dim) {
   return all_ok;
 }
 
+// The GQA schedules on the shapes of examples/train.py and two more: each schedule's
+// gradients against the default grid's (the code of the build before the GQA schedule), then
+// cudaEvent medians, schedules interleaved, two rounds.
+std::vector<Case> gqa_bench_cases() {
+  std::vector<Case> cs;
+  for (bool causal : {true, false}) {
+    cs.push_back({DType::kBF16, 4, 4096, 4096, 16, 2, 128, causal});
+    cs.push_back({DType::kBF16, 1, 4096, 4096, 32, 8, 128, causal});
+    cs.push_back({DType::kBF16, 2, 8192, 8192, 32, 4, 128, causal});
+  }
+  return cs;
+}
+
+const char* schedule_name(int split) {
+  switch (split) {
+    case -1: return "default";
+    case 0: return "rule";
+    case 1: return "gqa-s1";
+    case 2: return "gqa-s2";
+    case 4: return "gqa-s4";
+  }
+  return "?";
+}
+
+bool bench_gqa(const std::vector<Case>& cases, int reps) {
+  bool all_ok = true;
+  std::vector<std::string> table;
+  uint64_t seed = 3000;
+  for (const Case& c : cases) {
+    Problem pb(c, ++seed);
+    const std::vector<int> schedules = pb.schedules();
+    pb.poison();
+    CUDA_CHECK(pb.launch_v3_split(false, -1));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const Problem::Grads base = pb.fetch();
+    const auto as_double = [&](const std::vector<uint16_t>& x) {
+      std::vector<double> d(x.size());
+      for (size_t i = 0; i < x.size(); ++i) d[i] = to_float(x[i], c.dtype);
+      return d;
+    };
+    const std::vector<double> bq = as_double(base.dq), bk = as_double(base.dk),
+                              bv = as_double(base.dv);
+    for (const int split : schedules) {
+      for (const bool det : {false, true}) {
+        pb.poison();
+        CUDA_CHECK(pb.launch_v3_split(det, split));
+        CUDA_CHECK(cudaDeviceSynchronize());
+        const Problem::Grads g = pb.fetch();
+        Errors e[3] = {compare(g.dq, bq, c.dtype), compare(g.dk, bk, c.dtype),
+                       compare(g.dv, bv, c.dtype)};
+        char what[64];
+        std::snprintf(what, sizeof what, "%s%s vs default", schedule_name(split), det ? "-det" : "");
+        all_ok &= report(what, c, e, true, "");
+      }
+    }
+    const double fwd = median_event_ms([&] { CUDA_CHECK(pb.launch_forward()); }, 3, reps);
+    const double f = c.forward_flops();
+    std::vector<std::vector<double>> ms(schedules.size()), det_ms(schedules.size());
+    for (int round = 0; round < 2; ++round) {
+      for (size_t i = 0; i < schedules.size(); ++i) {
+        ms[i].push_back(
+            median_event_ms([&] { CUDA_CHECK(pb.launch_v3_split(false, schedules[i])); }, 3, reps));
+        det_ms[i].push_back(
+            median_event_ms([&] { CUDA_CHECK(pb.launch_v3_split(true, schedules[i])); }, 3, reps));
+      }
+    }
+    for (size_t i = 0; i < schedules.size(); ++i) {
+      const int s = schedules[i];
+      char buf[256];
+      std::snprintf(buf, sizeof buf,
+                    "B=%ld T=%ld N=%ld K=%ld H=%ld c=%d | %-8s | %7.3f %7.3f | %6.1f | %7.3f %7.3f "
+                    "| fwd %6.3f | rule %d det-rule %d",
+                    long(c.B), long(c.T), long(c.N), long(c.K), long(c.H), int(c.causal),
+                    schedule_name(s), ms[i][0], ms[i][1],
+                    2.5 * f / (std::min(ms[i][0], ms[i][1]) * 1e-3) / 1e12, det_ms[i][0],
+                    det_ms[i][1], fwd, pb.chosen_split(false), pb.chosen_split(true));
+      table.push_back(buf);
+      std::printf("gqa %s\n", buf);
+      std::fflush(stdout);
+    }
+  }
+  std::printf("\nv3 backward schedules, bf16, cudaEvent median of %d per round (ms round 1, round 2;"
+              " TF = 2.5x forward FLOPs / best round; det = deterministic mode; rule = the split "
+              "V3Backward picks: -1 default grid, S >= 1 GQA schedule)\n", reps);
+  std::printf("shape                                | schedule | bwd ms r1 r2    | bwd TF | det ms r1 r2"
+              "    | fwd ms     | rule\n");
+  for (const std::string& l : table) std::printf("%s\n", l.c_str());
+  return all_ok;
+}
+
 }  // namespace
 
 constexpr const char* kUsage =
-    "usage: %s [check] [small] [--bench] [--bench-v3] [--bench-one|profile H T causal]\n";
+    "usage: %s [check] [small] [--bench] [--bench-v3] [--bench-one|profile H T causal]\n"
+    "       [--bench-gqa] [--bench-gqa-one B T N K H causal]\n";
 
 int main(int argc, char** argv) {
   bool ok = true;
@@ -464,6 +653,7 @@ int main(int argc, char** argv) {
     if (mode == "check") {
       uint64_t seed = 1;
       for (const Case& c : check_cases()) ok &= check_case(c, ++seed);
+      for (const Case& c : split_cases()) ok &= check_split_case(c, ++seed);
     } else if (mode == "small") {  // for compute-sanitizer
       Case c{DType::kBF16, 2, 150, 200, 4, 2, 128, true};
       c.q_seqlens = {150, 100};
@@ -474,8 +664,22 @@ int main(int argc, char** argv) {
       c256.q_seqlens = {150, 100};
       c256.kv_seqlens = {200, 120};
       ok &= check_case(c256, 9);
+      // GQA schedule, every split, both modes (kv_seqlens shorter than the keys: skipped rows)
+      Case g{DType::kBF16, 2, 150, 200, 8, 2, 128, true};
+      g.q_seqlens = {150, 90};
+      g.kv_seqlens = {200, 70};
+      ok &= check_split_case(g, 10);
+      ok &= check_split_case({DType::kF16, 1, 100, 130, 8, 1, 256}, 11);
     } else if (mode == "--bench" || mode == "bench") {
       ok &= bench(grid_cases(), 10, 0);
+    } else if (mode == "--bench-gqa") {
+      ok &= bench_gqa(gqa_bench_cases(), 20);
+    } else if (mode == "--bench-gqa-one" && i + 6 < argc) {
+      const Case c{DType::kBF16, std::atoll(argv[i + 1]), std::atoll(argv[i + 2]),
+                   std::atoll(argv[i + 2]), std::atoll(argv[i + 3]), std::atoll(argv[i + 4]),
+                   std::atoll(argv[i + 5]), std::atoi(argv[i + 6]) != 0};
+      i += 6;
+      ok &= bench_gqa({c}, 20);
     } else if (mode == "--bench-v3") {  // v2 timed only where it is today's path (H = 256)
       ok &= bench(grid_cases(), 10, 256);
     } else if ((mode == "--bench-one" || mode == "profile") && i + 3 < argc) {
