@@ -16,9 +16,11 @@
 //   * inter-warpgroup ("pingpong"): a ring of named barriers lets one consumer warpgroup issue
 //     its GEMMs at a time, so one warpgroup's softmax overlaps the other's GEMMs.
 //   * across tiles (head dims 64 and 128, where two Q buffers fit): the producer loads the next
-//     tile's Q while this one runs, and each consumer warpgroup writes its output into its own
-//     rows of the finished tile's Q buffer and stores it with TMA, so that it starts the next
-//     tile at once (stage_output). Head dim 256 stores from registers after the tile.
+//     tile's Q while this one runs; a tile's last PV GEMM is issued together with the next
+//     tile's first S GEMM, like S_j with PV_{j+1} inside a tile (consume_tile), and each
+//     consumer warpgroup then writes the finished output into its own rows of that tile's Q
+//     buffer and stores it with TMA (stage_output). Head dim 256 runs the last PV alone and
+//     stores from registers (16-byte stores after a quad transpose) before the next tile.
 //   * setmaxnreg moves registers from the producer (which needs few) to the consumers.
 //   * persistent grid, static schedule: CTA i takes work units i, i + grid, ... A unit is one
 //     tile, or under causal masking the pair of m-blocks {last - k, k}, whose costs add up to
@@ -401,44 +403,89 @@ __device__ __forceinline__ void rescale_output(float (&o)[Cfg::kHeadDim / 2],
   for (int i = 0; i < Cfg::kHeadDim / 2; ++i) o[i] *= o_scale[(i / 2) % 2];
 }
 
-// 1 / row sum of this thread's two rows (0 for a row with no kept key) into inv_sum, and their
-// lse written for rows < q_len (by the lane that holds column 0 of the row).
+// What the output of a tile whose row statistics are final needs besides O (its lse is already
+// written, so the statistics need not stay in registers while the last PV runs).
+struct FinishedTile {
+  int row_lo;         // this warpgroup's first row
+  int head, batch;
+  int q_buffer;       // the tile's Q buffer (stage_output writes the output there)
+  float inv_sum[2];   // 1 / row sum of this thread's two rows (0: no kept key)
+};
+
+// Writes the lse of this thread's two rows (rows < q_len, by the lane that holds column 0 of
+// the row) and returns what the output needs. row_lo: the warpgroup's first row.
 template <class Cfg>
-__device__ __forceinline__ void finish_rows(const Params& p, const Tile& t, int row,
-                                            const RowStats& st, bool writes_lse,
-                                            float (&inv_sum)[2]) {
+__device__ __forceinline__ FinishedTile finish_tile(const Params& p, const Tile& t, int row_lo,
+                                                    const Lane& lane, const RowStats& st,
+                                                    int q_buffer) {
+  FinishedTile f = {row_lo, t.head, t.batch, q_buffer, {}};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int q = row + 8 * r;
+    const int q = row_lo + lane.row0 + 8 * r;
     const float sum = quad_sum(st.sum[r]);
     const bool none_kept = st.max[r] == -INFINITY;
-    inv_sum[r] = none_kept ? 0.f : 1.f / sum;
-    if (writes_lse && q < p.q_len) {
+    f.inv_sum[r] = none_kept ? 0.f : 1.f / sum;
+    if (lane.col0 == 0 && q < p.q_len) {
       p.lse[(int64_t(t.batch) * p.num_heads + t.head) * p.q_len + q] =
           none_kept ? -INFINITY : (st.max[r] * p.scale_log2 + __log2f(sum)) * kLn2;
     }
   }
+  return f;
 }
 
-// out = o / sum and lse for this thread's two rows, from registers; rows past q_len are not
-// stored. Used when there is no second Q buffer to stage the output in, and for empty tiles.
+// A 4 x 4 transpose of 32-bit words across the quad (the 4 lanes that share a row): on entry
+// word j of lane q is chunk j's columns 2q..2q+1, on exit word j of lane q is chunk q's columns
+// 2j..2j+1, i.e. lane q holds 16 contiguous bytes of chunk q. Two butterfly stages (lanes 2
+// apart swap the off-diagonal 2 x 2 blocks, then lanes 1 apart the off-diagonal words), 4
+// shuffles; the selects keep every index static, so the words stay in registers.
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int quad_lane) {
+#pragma unroll
+  for (int half = 2; half >= 1; half /= 2) {
+    const bool upper = quad_lane & half;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j & half) continue;  // j: the low word of each pair (j, j + half) swapped
+      const uint32_t received = __shfl_xor_sync(0xffffffff, upper ? w[j] : w[j + half], half);
+      if (upper) {
+        w[j] = received;
+      } else {
+        w[j + half] = received;
+      }
+    }
+  }
+}
+
+// out = o / sum for this thread's two rows, from registers; rows past q_len are not stored.
+// Used when there is no second Q buffer to stage the output in (head dim 256), and for empty
+// tiles. The quad transposes each 32-column group first, so that every lane stores 16 bytes
+// (one st.global.v4) instead of four 4-byte stores: a warp store then covers 8 rows x 64
+// contiguous bytes, and the LSU passes per output tile drop 4x (the head dim 256 epilogue was
+// 64 half-sector stores per thread, on the tile's critical path with one Q buffer).
 template <class Cfg>
-__device__ __forceinline__ void store_output(const Params& p, const Tile& t, int row,
-                                             int col0, const float (&o)[Cfg::kHeadDim / 2],
-                                             const RowStats& st, bool writes_lse) {
+__device__ __forceinline__ void store_output(const Params& p, const FinishedTile& f,
+                                             const Lane& lane,
+                                             const float (&o)[Cfg::kHeadDim / 2]) {
   using Element = typename Cfg::Element;
-  float inv_sum[2];
-  finish_rows<Cfg>(p, t, row, st, writes_lse, inv_sum);
+  const int quad_lane = lane.col0 / 2;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int q = row + 8 * r;
-    if (q >= p.q_len) continue;
+    const int q = f.row_lo + lane.row0 + 8 * r;
+    const float inv_sum = f.inv_sum[r];
     Element* out_row = static_cast<Element*>(p.out) +
-                       ((int64_t(t.batch) * p.q_len + q) * p.num_heads + t.head) * Cfg::kHeadDim;
+                       ((int64_t(f.batch) * p.q_len + q) * p.num_heads + f.head) * Cfg::kHeadDim;
 #pragma unroll
-    for (int c = 0; c < Cfg::kHeadDim / 8; ++c) {
-      *reinterpret_cast<uint32_t*>(out_row + 8 * c + col0) =
-          pack2<Element>(o[4 * c + 2 * r] * inv_sum[r], o[4 * c + 2 * r + 1] * inv_sum[r]);
+    for (int g = 0; g < Cfg::kHeadDim / 32; ++g) {  // 32 columns: 4 chunks of 8
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int c = 4 * g + j;
+        w[j] = pack2<Element>(o[4 * c + 2 * r] * inv_sum, o[4 * c + 2 * r + 1] * inv_sum);
+      }
+      quad_transpose(w, quad_lane);  // every lane of the warp shuffles, stored or not
+      if (q < p.q_len) {
+        *reinterpret_cast<uint4*>(out_row + 8 * (4 * g + quad_lane)) =
+            make_uint4(w[0], w[1], w[2], w[3]);
+      }
     }
   }
 }
@@ -460,23 +507,42 @@ struct ConsumerState {
   int my_barrier, next_barrier;  // pingpong: wait for my turn, then pass it on
   uint32_t q_rows;  // shared address of this warpgroup's first Q row (slab 0) in Q buffer 0
   int block_count;  // key blocks consumed so far: selects stage and phase
-  int q_count;      // non-empty tiles so far: selects Q buffer and phase
+  int q_count;      // non-empty tiles started so far: selects Q buffer and phase
+  int unreleased_q_buffer;  // an output store reads it, not yet handed back (-1: none)
 };
 
-// The output of this warpgroup's 64 rows (q_rows: in the tile's Q buffer, which no S GEMM of
-// this warpgroup reads any more) goes to shared memory in the layout TMA loaded Q in, then one
-// thread stores it with TMA, so that the warpgroup can start its next tile while the store
-// runs. The Q buffer is released to the producer once the store has read it (in consume_tile,
-// during the next tile's first S GEMM), which is why this needs two Q buffers.
+// A tile whose key blocks are done but whose last PV is not issued yet (see consume_tile): its
+// P is in the fragments, its partial O in the accumulator.
+struct PendingTile {
+  FinishedTile f;
+  bool valid;
+};
+
 template <class Cfg>
-__device__ __forceinline__ void stage_output(const Params& p, const Tile& t,
-                                             const ConsumerState& c, uint32_t q_rows,
-                                             const float (&o)[Cfg::kHeadDim / 2],
-                                             const RowStats& st) {
+__device__ __forceinline__ uint32_t k_tile(uint32_t smem, int stage) {
+  return smem + Cfg::kKOffset + stage * Cfg::kKVBytes;
+}
+template <class Cfg>
+__device__ __forceinline__ uint32_t v_tile(uint32_t smem, int stage) {
+  return smem + Cfg::kVOffset + stage * Cfg::kKVBytes;
+}
+// The mbarrier phase of the K / V stage that holds the block'th key block (counted over tiles).
+template <class Cfg>
+__device__ __forceinline__ uint32_t block_phase(int block) {
+  return uint32_t(block / Cfg::kStages) & 1;
+}
+
+// The output of this warpgroup's 64 rows (in its rows of the tile's Q buffer, which no S GEMM
+// of this warpgroup reads any more) goes to shared memory in the layout TMA loaded Q in, then one
+// thread stores it with TMA, so that the warpgroup can start its next tile while the store
+// runs. The Q buffer is released to the producer once the store has read it (release_staged_q,
+// during the warpgroup's next GEMMs), which is why this needs two Q buffers.
+template <class Cfg>
+__device__ __forceinline__ void stage_output(const Params& p, const FinishedTile& f,
+                                             const ConsumerState& c,
+                                             const float (&o)[Cfg::kHeadDim / 2]) {
   using Element = typename Cfg::Element;
-  const int row_lo = t.m_block * Cfg::kBlockM + c.warpgroup * 64;
-  float inv_sum[2];
-  finish_rows<Cfg>(p, t, row_lo + c.lane.row0, st, c.lane.col0 == 0, inv_sum);
+  const uint32_t q_rows = c.q_rows + f.q_buffer * Cfg::kQBytes;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = c.lane.row0 + 8 * r;  // in the warpgroup's 64; row % 8 = lane / 4
@@ -486,8 +552,8 @@ __device__ __forceinline__ void stage_output(const Params& p, const Tile& t,
       // 8 rows x 4 lanes of one store hit 32 different banks.
       const uint32_t address = q_rows + (ch / 8) * (Cfg::kBlockM * 128) + row * 128 +
                                (((ch % 8) ^ (row % 8)) << 4) + c.lane.col0 * 2;
-      st_shared_b32(address, pack2<Element>(o[4 * ch + 2 * r] * inv_sum[r],
-                                            o[4 * ch + 2 * r + 1] * inv_sum[r]));
+      st_shared_b32(address, pack2<Element>(o[4 * ch + 2 * r] * f.inv_sum[r],
+                                            o[4 * ch + 2 * r + 1] * f.inv_sum[r]));
     }
   }
   fence_proxy_async_shared();
@@ -495,8 +561,8 @@ __device__ __forceinline__ void stage_output(const Params& p, const Tile& t,
   if (c.leader) {
 #pragma unroll
     for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
-      tma_store_box(&p.tma_o, q_rows + slab * (Cfg::kBlockM * 128), slab * 64, row_lo, t.head,
-                    t.batch);
+      tma_store_box(&p.tma_o, q_rows + slab * (Cfg::kBlockM * 128), slab * 64, f.row_lo,
+                    f.head, f.batch);
     }
     bulk_commit();
   }
@@ -521,8 +587,8 @@ __device__ __forceinline__ void take_scores(const Params& p, const Tile& t,
   fence_registers(s);
   if (c.warp_leader) {
     mbarrier_arrive(bars.k_empty + 8 * stage);
-    // One Q buffer: released after the tile's last S (two: after the output store, see
-    // stage_output).
+    // One Q buffer: released after the tile's last S (two: after the output store has read
+    // it, see release_staged_q).
     if (!Cfg::kStageOutput && nb == t.n_min) mbarrier_arrive(bars.q_empty);
   }
   shape_scores<Cfg>(s, p, t, row_lo + c.lane.row0, nb * Cfg::kBlockN + c.lane.col0,
@@ -539,87 +605,144 @@ __device__ __forceinline__ void take_output(const BarrierAddresses& bars, const 
   if (c.warp_leader) mbarrier_arrive(bars.v_empty + 8 * stage);
 }
 
-// One tile: S = Q K^T, online softmax and O += P V over its key blocks (last first), then the
-// output. o / s / pa are the warpgroup's register tiles.
+// Hands the Q buffer of the last staged output store back to the producer once the store has
+// read it (only the issuing thread can wait for that). Called after each GEMM issue, so that the
+// wait overlaps the GEMMs: the store of tile n is issued either in tile n + 1's first block
+// (fused, when tile n + 1 has a second block, whose issue releases it) or before tile n + 1
+// (whose first issue releases it); either way before tile n + 2 waits for the Q that the
+// producer loads into the same buffer.
+template <class Cfg>
+__device__ __forceinline__ void release_staged_q(const BarrierAddresses& bars, ConsumerState& c) {
+  if constexpr (Cfg::kStageOutput) {
+    bulk_read_wait_then_arrive_if(c.leader && c.unreleased_q_buffer >= 0,
+                                  bars.q_empty + 8 * c.unreleased_q_buffer);
+    c.unreleased_q_buffer = -1;
+  }
+}
+
+// The output of a tile whose last PV has landed in o.
+template <class Cfg>
+__device__ __forceinline__ void write_output(const Params& p, const FinishedTile& f,
+                                             ConsumerState& c,
+                                             const float (&o)[Cfg::kHeadDim / 2]) {
+  if constexpr (Cfg::kStageOutput) {
+    stage_output<Cfg>(p, f, c, o);
+    c.unreleased_q_buffer = f.q_buffer;
+  } else {
+    store_output<Cfg>(p, f, c.lane, o);
+  }
+}
+
+// A tile's last PV in a GEMM turn of its own, then its output (finish() gives where it goes):
+// every tile at head dim 256 (one Q buffer: the next tile's Q cannot be there yet), and the
+// last tile of a CTA.
+template <class Cfg, class Finish>
+__device__ __forceinline__ void last_pv_alone(const Params& p, uint32_t smem,
+                                              const BarrierAddresses& bars, ConsumerState& c,
+                                              float (&o)[Cfg::kHeadDim / 2],
+                                              uint32_t (&pa)[Cfg::kBlockN / 16][4],
+                                              Finish&& finish) {
+  const int prev = (c.block_count - 1) % Cfg::kStages;
+  mbarrier_wait(bars.v_full + 8 * prev, block_phase<Cfg>(c.block_count - 1));
+  issue_in_turn(c, [&] {
+    issue_pv<Cfg>(pa, v_tile<Cfg>(smem, prev), o);
+    wgmma_commit();
+  });
+  wgmma_wait<0>();
+  take_output<Cfg>(bars, c, prev, o, pa);
+  write_output<Cfg>(p, finish(), c, o);
+}
+
+// One non-empty tile: S = Q K^T, online softmax and O += P V over its key blocks (last first).
+// o / s / pa are the warpgroup's register tiles. The tile's last PV is left pending: with two Q
+// buffers it is issued together with the next tile's first S GEMM (`fuse`, see run_consumer
+// for when), as the steady state issues S_j with PV_{j+1}, so that a tile boundary costs one
+// GEMM turn like any key block instead of a lone PV turn and a lone S turn with the first
+// block's softmax exposed between them; the finished tile's output is staged while the new
+// tile's first S runs. With one Q buffer (head dim 256) the last PV runs alone at the end of
+// the tile, as the next Q cannot have arrived yet.
 template <class Cfg>
 __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uint32_t smem,
                                              const BarrierAddresses& bars, ConsumerState& c,
+                                             PendingTile& pending, bool fuse,
                                              float (&o)[Cfg::kHeadDim / 2],
                                              float (&s)[Cfg::kBlockN / 2],
                                              uint32_t (&pa)[Cfg::kBlockN / 16][4]) {
   constexpr int kStages = Cfg::kStages;
   const int row_lo = t.m_block * Cfg::kBlockM + c.warpgroup * 64;  // this warpgroup's rows
-  const auto k_tile = [&](int stage) { return smem + Cfg::kKOffset + stage * Cfg::kKVBytes; };
-  const auto v_tile = [&](int stage) { return smem + Cfg::kVOffset + stage * Cfg::kKVBytes; };
-  const auto phase = [](int block) { return uint32_t(block / kStages) & 1; };
+  const int q_buffer = c.q_count % Cfg::kQBuffers;
+  const uint32_t q_rows = c.q_rows + q_buffer * Cfg::kQBytes;
+  mbarrier_wait(bars.q_full + 8 * q_buffer, (c.q_count / Cfg::kQBuffers) & 1);
+  ++c.q_count;
   RowStats st = {{-INFINITY, -INFINITY}, {0.f, 0.f}};
-#pragma unroll
-  for (int i = 0; i < Cfg::kHeadDim / 2; ++i) o[i] = 0.f;
-
-  if (!t.empty()) {
-    const int q_buffer = c.q_count % Cfg::kQBuffers;
-    const uint32_t q_rows = c.q_rows + q_buffer * Cfg::kQBytes;
-    mbarrier_wait(bars.q_full + 8 * q_buffer, (c.q_count / Cfg::kQBuffers) & 1);
-    float o_scale[2];
-    // First key block: scores and softmax only.
-    {
-      const int nb = t.n_max - 1;
-      const int stage = c.block_count % kStages;
-      mbarrier_wait(bars.k_full + 8 * stage, phase(c.block_count));
-      issue_in_turn(c, [&] {
-        issue_qk<Cfg>(q_rows, k_tile(stage), s);
+  float o_scale[2];
+  // First key block: S, fused with the pending tile's last PV when kFused. Two copies of the
+  // block, not one with a branch inside: with a branch around the waits that count the PV's
+  // commit group ptxas serializes the wgmmas (C7514), and with an empty commit group in place
+  // of the PV it issues a dummy HGMMA for it.
+  const auto first_block = [&](auto fused) {
+    constexpr bool kFused = decltype(fused)::value;
+    const int nb = t.n_max - 1;
+    const int stage = c.block_count % kStages;
+    const int prev = (c.block_count - 1) % kStages;  // the pending tile's last V (kFused)
+    mbarrier_wait(bars.k_full + 8 * stage, block_phase<Cfg>(c.block_count));
+    if (kFused) mbarrier_wait(bars.v_full + 8 * prev, block_phase<Cfg>(c.block_count - 1));
+    issue_in_turn(c, [&] {
+      issue_qk<Cfg>(q_rows, k_tile<Cfg>(smem, stage), s);
+      wgmma_commit();
+      if constexpr (kFused) {
+        issue_pv<Cfg>(pa, v_tile<Cfg>(smem, prev), o);
         wgmma_commit();
-      });
-      // While it runs: the previous tile's output store has long been issued; once it has
-      // read its Q buffer, hand that buffer to the producer for the next tile's Q.
-      if constexpr (Cfg::kStageOutput) {
-        bulk_read_wait_then_arrive_if(
-            c.leader && c.q_count > 0,
-            bars.q_empty + 8 * ((c.q_count + Cfg::kQBuffers - 1) % Cfg::kQBuffers));
       }
-      wgmma_wait<0>();
-      take_scores<Cfg>(p, t, bars, c, stage, nb, row_lo, s);
-      online_softmax<Cfg, true>(s, st, p.scale_log2, o_scale);
-      accumulator_to_fragments<typename Cfg::Element>(s, pa);
-      ++c.block_count;
-    }
-    // Steady state: S_j and PV_{j+1} in flight together; softmax(S_j) overlaps PV_{j+1}.
-    for (int nb = t.n_max - 2; nb >= t.n_min; --nb, ++c.block_count) {
-      const int stage = c.block_count % kStages;
-      const int prev = (c.block_count - 1) % kStages;
-      mbarrier_wait(bars.k_full + 8 * stage, phase(c.block_count));
-      mbarrier_wait(bars.v_full + 8 * prev, phase(c.block_count - 1));
-      issue_in_turn(c, [&] {
-        issue_qk<Cfg>(q_rows, k_tile(stage), s);
-        wgmma_commit();
-        issue_pv<Cfg>(pa, v_tile(prev), o);
-        wgmma_commit();
-      });
-      wgmma_wait<1>();  // S_j done, PV_{j+1} may still run
-      take_scores<Cfg>(p, t, bars, c, stage, nb, row_lo, s);
-      online_softmax<Cfg, false>(s, st, p.scale_log2, o_scale);
+    });
+    release_staged_q<Cfg>(bars, c);  // a store issued before this tile (not fused)
+    wgmma_wait<kFused ? 1 : 0>();    // S done; the pending PV may still run
+    take_scores<Cfg>(p, t, bars, c, stage, nb, row_lo, s);
+    online_softmax<Cfg, true>(s, st, p.scale_log2, o_scale);
+    if constexpr (kFused) {
       wgmma_wait<0>();
       take_output<Cfg>(bars, c, prev, o, pa);
-      rescale_output<Cfg>(o, o_scale);
-      accumulator_to_fragments<typename Cfg::Element>(s, pa);
+      write_output<Cfg>(p, pending.f, c, o);
     }
-    // Last PV.
+  };
+  if (Cfg::kStageOutput && fuse) {
+    first_block(std::bool_constant<Cfg::kStageOutput>());
+  } else {
+    first_block(std::false_type());
+  }
+#pragma unroll
+  for (int i = 0; i < Cfg::kHeadDim / 2; ++i) o[i] = 0.f;
+  accumulator_to_fragments<typename Cfg::Element>(s, pa);
+  ++c.block_count;
+  // Steady state: S_j and PV_{j+1} in flight together; softmax(S_j) overlaps PV_{j+1}.
+  for (int nb = t.n_max - 2; nb >= t.n_min; --nb, ++c.block_count) {
+    const int stage = c.block_count % kStages;
     const int prev = (c.block_count - 1) % kStages;
-    mbarrier_wait(bars.v_full + 8 * prev, phase(c.block_count - 1));
+    mbarrier_wait(bars.k_full + 8 * stage, block_phase<Cfg>(c.block_count));
+    mbarrier_wait(bars.v_full + 8 * prev, block_phase<Cfg>(c.block_count - 1));
     issue_in_turn(c, [&] {
-      issue_pv<Cfg>(pa, v_tile(prev), o);
+      issue_qk<Cfg>(q_rows, k_tile<Cfg>(smem, stage), s);
+      wgmma_commit();
+      issue_pv<Cfg>(pa, v_tile<Cfg>(smem, prev), o);
       wgmma_commit();
     });
+    release_staged_q<Cfg>(bars, c);  // the store issued in this tile's first block (fused)
+    wgmma_wait<1>();  // S_j done, PV_{j+1} may still run
+    take_scores<Cfg>(p, t, bars, c, stage, nb, row_lo, s);
+    online_softmax<Cfg, false>(s, st, p.scale_log2, o_scale);
     wgmma_wait<0>();
     take_output<Cfg>(bars, c, prev, o, pa);
-    ++c.q_count;
-    if constexpr (Cfg::kStageOutput) {
-      stage_output<Cfg>(p, t, c, q_rows, o, st);
-      return;
-    }
+    rescale_output<Cfg>(o, o_scale);
+    accumulator_to_fragments<typename Cfg::Element>(s, pa);
   }
-  // No Q buffer to stage the output in (one buffer, or an empty tile, which loaded no Q).
-  store_output<Cfg>(p, t, row_lo + c.lane.row0, c.lane.col0, o, st, c.lane.col0 == 0);
+  if constexpr (Cfg::kStageOutput) {
+    // lse now, so that the row statistics are not live across the fused tile boundary.
+    pending = {finish_tile<Cfg>(p, t, row_lo, c.lane, st, q_buffer), true};
+  } else {
+    // After the PV: at head dim 256 the statistics fit next to O, the finished rows did not.
+    last_pv_alone<Cfg>(p, smem, bars, c, o, pa,
+                       [&] { return finish_tile<Cfg>(p, t, row_lo, c.lane, st, q_buffer); });
+  }
 }
 
 template <class Cfg>
@@ -637,6 +760,7 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
   c.q_rows = smem + warpgroup * 64 * 128;
   c.block_count = 0;
   c.q_count = 0;
+  c.unreleased_q_buffer = -1;
 
   // The first warpgroup goes first.
   if (warpgroup == W - 1) named_barrier_arrive(scheduler_barrier(0), 256);
@@ -644,13 +768,34 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
   float o[Cfg::kHeadDim / 2];
   float s[Cfg::kBlockN / 2];
   uint32_t pa[Cfg::kBlockN / 16][4];
+  PendingTile pending;
+  pending.valid = false;
   for (int unit = blockIdx.x; unit < p.num_units; unit += gridDim.x) {
     for (int second = 0; second < 2; ++second) {
       Tile t;
       if (!decode_tile<Cfg>(p, unit, second, t)) break;
-      consume_tile<Cfg>(p, t, smem, bars, c, o, s, pa);
+      if (t.empty()) {
+        // No kept key and no Q loaded: out = 0 and lse = -inf, from registers (a pending
+        // tile's O stays where it is).
+        const float zero[Cfg::kHeadDim / 2] = {};
+        const RowStats none = {{-INFINITY, -INFINITY}, {0.f, 0.f}};
+        const int row_lo = t.m_block * Cfg::kBlockM + warpgroup * 64;
+        store_output<Cfg>(p, finish_tile<Cfg>(p, t, row_lo, c.lane, none, 0), c.lane, zero);
+        continue;
+      }
+      // The pending tile's last PV goes with this tile's first S unless this tile has a single
+      // key block: its output store would then have no GEMM issue of this tile after it to be
+      // released in (release_staged_q), and the Q after this one, which the producer loads into
+      // that buffer, would wait for it. So it runs alone first, and this tile's S releases it.
+      const bool fuse = Cfg::kStageOutput && pending.valid && t.n_max - t.n_min > 1;
+      if (pending.valid && !fuse) {
+        last_pv_alone<Cfg>(p, smem, bars, c, o, pa, [&] { return pending.f; });
+        pending.valid = false;
+      }
+      consume_tile<Cfg>(p, t, smem, bars, c, pending, fuse, o, s, pa);
     }
   }
+  if (pending.valid) last_pv_alone<Cfg>(p, smem, bars, c, o, pa, [&] { return pending.f; });
   // The shared memory the output stores read must outlive them; wait for them to finish.
   if (Cfg::kStageOutput && c.leader) bulk_wait_all();
 }

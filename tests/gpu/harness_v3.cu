@@ -3,7 +3,7 @@
 //   check  correctness on small and odd shapes against a float64 CPU reference (every row),
 //          for every compiled tuning variant; outputs poisoned first; run twice, compared
 //          bitwise (a difference between identical runs is a race)
-//   small  four small cases (for compute-sanitizer), one with several tiles per CTA
+//   small  five small cases (for compute-sanitizer), two with several tiles per CTA
 //   bench  the 18 configs of /work/shared/BENCHMARK.md: a float64 check of sampled rows plus a
 //          NaN scan of every output, then cudaEvent timings (median of repeats) in TFLOP/s,
 //          for every compiled tuning variant
@@ -324,6 +324,14 @@ std::vector<Case> check_cases() {
   many.q_seqlens = {640, 0, 300, 640, 1, 640, 129, 500};
   cs.push_back(many);
   cs.push_back({bf, 12, 256, 256, 8, 2, 256});
+  // Several tiles per CTA where the v3 forward fuses a tile's last PV with the next tile's first
+  // S: the 192-row tile (three consumer warpgroups, 352 units: the Q ring wraps), and a causal
+  // left window with softcap, whose tiles alternate between one key block (not fused) and two.
+  cs.push_back({bf, 1, 2048, 2048, 32, 8, 64});
+  Case wm{bf, 8, 512, 512, 8, 2, 128, true};
+  wm.window_left = 60;
+  wm.softcap = 30.f;
+  cs.push_back(wm);
   return cs;
 }
 
@@ -426,6 +434,8 @@ int main(int argc, char** argv) {
       ok &= check_case({DType::kF16, 1, 70, 90, 2, 1, 256}, 8);
       ok &= check_case({DType::kBF16, 1, 130, 130, 2, 2, 64, true}, 9);
       ok &= check_case({DType::kBF16, 8, 384, 384, 12, 4, 64}, 10);  // 288 tiles: several per CTA
+      // 192 causal units: one-block tiles (m-block 0) between fused multi-block ones
+      ok &= check_case({DType::kBF16, 4, 640, 640, 16, 4, 128, true}, 11);
     } else if (mode == "bench") {
       ok &= bench(10);
     } else {
