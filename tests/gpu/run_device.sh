@@ -6,7 +6,8 @@
 # Writes build and test logs, the bench outputs (json + txt) and a clock / power log (smi.csv)
 # under $OUT (or /tmp/jf_out): at most 7 files from the default stages.
 # Knobs (env): BENCH_MODES, BENCH_IMPL, BENCH_REPEATS, BENCH_MAX_SECONDS, TEST_FILTER (pytest -k),
-# TRAIN_STEPS, TRAIN_ROUNDS, and a *_TIMEOUT per stage.
+# TRAIN_STEPS, TRAIN_ROUNDS, and a *_TIMEOUT per stage (PROFILE_TIMEOUT: the train stage's
+# kernel-by-kernel profile, tests/gpu/train_profile.py).
 set -uo pipefail
 OUT=${OUT:-/tmp/jf_out}
 mkdir -p "$OUT"
@@ -56,6 +57,8 @@ if has train; then  # issue #5: a training step of the example model, v3 against
         | tee -a "$OUT/train.log"
     done
   done
+  timeout ${PROFILE_TIMEOUT:-180} python3 tests/gpu/train_profile.py > "$OUT/train_profile.log" 2>&1
+  echo "train_profile rc=$?"; sed -n '/device time per step/p;/^largest/,$p' "$OUT/train_profile.log"
 fi
 if has sharding; then
   timeout ${SHARDING_TIMEOUT:-150} python3 -m pytest -q -s -p no:cacheprovider \
