@@ -19,7 +19,7 @@
 //     (their SASS is identical to the build before the GQA schedule).
 //
 // Kernels, in stream order:
-//   1. preprocess (one CTA per 64 query rows of a (batch, head), 16-byte loads):
+//   1. preprocess (one CTA per 64 x 64 / H query rows of a (batch, head), 16-byte loads):
 //      D = rowsum(dO * O), lse_log2 = lse * log2(e) (+inf for rows with no kept key and for
 //      the padding rows, so that P = exp2(.. - lse_log2) = 0 there), dq_accum and the
 //      semaphores cleared.
@@ -1028,24 +1028,32 @@ __device__ __forceinline__ float2 unpack2<__half>(uint32_t bits) {
   return __half22float2(*reinterpret_cast<const __half2*>(&bits));
 }
 
-// One CTA (256 threads) per 64 padded query rows of a (batch, head): D and lse_log2 of the rows,
-// the rows' dq_accum tiles zeroed, their semaphores cleared. kHeadDim / 8 threads per row, 16
-// bytes of O and dO each; all of a thread's loads are issued before the first reduction (the
-// previous one-warp-per-row loop had one 4-byte load per lane in flight).
+// One CTA (256 threads) per 64 x 64 / kHeadDim padded query rows of a (batch, head): D and
+// lse_log2 of the rows, their share of the rows' dq_accum tile zeroed (a contiguous 1 / kParts
+// of it: the tile is in fragment order, so a part is not its rows), the tile's semaphore cleared
+// by part 0. kHeadDim / 8 threads per row, 16 bytes of O and dO each, two rows per thread, all
+// loads issued before the first reduction. Rows per CTA shrink with the head dim so that a
+// thread's registers and the CTAs per SM stay those of H = 64: 64 rows per CTA at every head dim
+// held 8 / 16 loads per thread at H = 128 / 256 (~80 / ~144 registers, 3 / 1 CTAs per SM) and
+// ran at 3.0 / 2.7 TB/s against 3.6 at H = 64 (micro-benchmark, docs/perf-notes-v3.md).
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(256) v3_backward_preprocess_kernel(
     const __grid_constant__ PrePostParams p) {
+  constexpr int kParts = kHeadDim / 64;  // CTAs per dq_accum tile
+  constexpr int kRows = kDqTileRows / kParts;
   constexpr int kLanesPerRow = kHeadDim / 8;
   constexpr int kRowsPerPass = 256 / kLanesPerRow;
-  constexpr int kPasses = kDqTileRows / kRowsPerPass;
-  const int row_tile = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  constexpr int kPasses = kRows / kRowsPerPass;
+  const int part = blockIdx.x % kParts, row_tile = blockIdx.x / kParts;
+  const int head = blockIdx.y, batch = blockIdx.z;
   const int sub = threadIdx.x % kLanesPerRow, row_in_pass = threadIdx.x / kLanesPerRow;
+  const int row0 = row_tile * kDqTileRows + part * kRows;
   const int64_t batch_head = int64_t(batch) * p.num_heads + head;
   const int64_t stats = batch_head * p.q_len_padded;
   uint4 o[kPasses], d[kPasses];
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
-    const int t = row_tile * kDqTileRows + pass * kRowsPerPass + row_in_pass;
+    const int t = row0 + pass * kRowsPerPass + row_in_pass;
     o[pass] = d[pass] = make_uint4(0, 0, 0, 0);
     if (t < p.q_len) {
       const int64_t offset = ((int64_t(batch) * p.q_len + t) * p.num_heads + head) * kHeadDim;
@@ -1068,7 +1076,7 @@ __global__ void __launch_bounds__(256) v3_backward_preprocess_kernel(
 #pragma unroll
     for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2)
       sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    const int t = row_tile * kDqTileRows + pass * kRowsPerPass + row_in_pass;
+    const int t = row0 + pass * kRowsPerPass + row_in_pass;
     if (sub == 0) {
       const float lse = t < p.q_len ? p.lse[batch_head * p.q_len + t] : -INFINITY;
       p.dsum[stats + t] = sum;
@@ -1076,11 +1084,11 @@ __global__ void __launch_bounds__(256) v3_backward_preprocess_kernel(
     }
   }
   float4* tile = reinterpret_cast<float4*>(
-      p.dq_accum + (stats / kDqTileRows + row_tile) * kDqTileRows * kHeadDim);
+      p.dq_accum + ((stats / kDqTileRows + row_tile) * kDqTileRows + part * kRows) * kHeadDim);
 #pragma unroll
-  for (int i = threadIdx.x; i < kDqTileRows * kHeadDim / 4; i += 256)
+  for (int i = threadIdx.x; i < kRows * kHeadDim / 4; i += 256)
     tile[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (p.dq_semaphore != nullptr && threadIdx.x == 0)
+  if (p.dq_semaphore != nullptr && part == 0 && threadIdx.x == 0)
     p.dq_semaphore[stats / kDqTileRows + row_tile] = 0;
 }
 
@@ -1408,9 +1416,10 @@ cudaError_t launch_all(const BackwardArgs& a, const V3BackwardWorkspace& ws, boo
   pp.scale = a.fwd.spec.scale;
   const dim3 row_grid(unsigned(pp.q_len_padded / kDqTileRows), unsigned(sh.num_heads),
                       unsigned(sh.batch));
+  const dim3 pre_grid(row_grid.x * (kHeadDim / 64), row_grid.y, row_grid.z);
   cudaError_t err;
   if (sh.q_len > 0) {
-    v3_backward_preprocess_kernel<Element, kHeadDim><<<row_grid, 256, 0, stream>>>(pp);
+    v3_backward_preprocess_kernel<Element, kHeadDim><<<pre_grid, 256, 0, stream>>>(pp);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   err = launch_main<typename BwdConfigFor<Element, kHeadDim>::type>(a, ws, deterministic, split,

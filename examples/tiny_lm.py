@@ -103,7 +103,11 @@ def forward(params, tokens, config: ModelConfig, attention=hand_written_attentio
   b, t = tokens.shape
   h = config.head_dim
   params = jax.tree.map(lambda w: w.astype(config.dtype), params)
-  x = params["embed"][tokens] + params["pos"][:t]
+  # A one-hot product rather than a gather: the gather's gradient is a scatter-add of B x T rows
+  # into vocab (256) rows, which XLA runs on the GPU as contended atomics (3.1 ms of a 11.7 ms
+  # step at B=4, T=4096, d_model=2048); the product's gradient is one small matmul.
+  x = jax.nn.one_hot(tokens, config.vocab, dtype=config.dtype) @ params["embed"]
+  x = x + params["pos"][:t]
   for layer in params["layers"]:
     y = _rms_norm(x, layer["ln1"])
     q = (y @ layer["wq"]).reshape(b, t, config.num_heads, h)
