@@ -8,9 +8,10 @@ fused kernel; the explain report printed first says what was fused. Runs on the 
   python examples/train.py --attention xla      # hand-written attention, unfused (baseline)
 
 On a GPU the kernels take 16-bit inputs; a training-step comparison against cuDNN at a size
-where attention matters (prints tokens/s and ms per step, compilation excluded):
+where attention matters (prints tokens/s and ms per step, compilation excluded; the numbers
+measured on the H200 are in docs/perf-notes.md, tests/gpu/train_profile.py splits a step by kernel):
   python examples/train.py --dtype bfloat16 --attention direct --schedule v3 --steps 40 \
-      --batch 4 --seq-len 4096 --d-model 2048 --heads 16 --kv-heads 16 --layers 4
+      --batch 4 --seq-len 4096 --d-model 2048 --heads 16 --layers 1 --lr 3e-4
   python examples/train.py ... --attention cudnn
 """
 from __future__ import annotations
