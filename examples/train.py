@@ -29,6 +29,16 @@ import jax_flash
 import tiny_lm
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+  """The model's and the batch's sizes (tests/gpu/train_profile.py takes them too)."""
+  parser.add_argument("--batch", type=int, default=16)
+  parser.add_argument("--seq-len", type=int, default=128)
+  parser.add_argument("--layers", type=int, default=2)
+  parser.add_argument("--d-model", type=int, default=128)
+  parser.add_argument("--heads", type=int, default=4)
+  parser.add_argument("--kv-heads", type=int, default=2)
+
+
 def parse_args():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--attention", choices=("fuse", "direct", "xla", "cudnn"), default="fuse")
@@ -36,12 +46,7 @@ def parse_args():
   parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                       help="compute dtype (GPU schedules: bfloat16 or float16)")
   parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--batch", type=int, default=16)
-  parser.add_argument("--seq-len", type=int, default=128)
-  parser.add_argument("--layers", type=int, default=2)
-  parser.add_argument("--d-model", type=int, default=128)
-  parser.add_argument("--heads", type=int, default=4)
-  parser.add_argument("--kv-heads", type=int, default=2)
+  add_shape_arguments(parser)
   parser.add_argument("--lr", type=float, default=3e-3)
   parser.add_argument("--log-every", type=int, default=25)
   parser.add_argument("--seed", type=int, default=0)

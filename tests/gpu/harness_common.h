@@ -55,6 +55,13 @@ inline float to_float(uint16_t bits, jax_flash::DType dtype) {
   return __half2float(v);
 }
 
+// Every element of a 16-bit device copy, widened.
+inline std::vector<double> to_double(const std::vector<uint16_t>& x, jax_flash::DType dtype) {
+  std::vector<double> d(x.size());
+  for (size_t i = 0; i < x.size(); ++i) d[i] = to_float(x[i], dtype);
+  return d;
+}
+
 // Runs fn(i) for i in [0, n) on all host cores (the float64 references are the slow part).
 inline void parallel_for(size_t n, const std::function<void(size_t)>& fn) {
   const size_t workers = std::max<size_t>(1, std::thread::hardware_concurrency());

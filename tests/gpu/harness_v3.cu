@@ -284,32 +284,15 @@ std::vector<Case> check_cases() {
   cs.push_back({hf, 1, 300, 300, 2, 1, 128, true});
   cs.push_back({bf, 2, 130, 333, 4, 4, 256, true});
   cs.push_back({bf, 1, 333, 130, 2, 1, 128, true});
-  Case w{bf, 1, 257, 257, 4, 1, 128};
-  w.window_left = 50;
-  w.window_right = 20;
-  cs.push_back(w);
-  Case sc{bf, 2, 100, 1000, 2, 2, 64};
-  sc.softcap = 30.f;
-  cs.push_back(sc);
-  Case vl{bf, 3, 150, 170, 2, 1, 128, true};
-  vl.q_seqlens = {150, 77, 0};
-  vl.kv_seqlens = {170, 1, 90};
-  cs.push_back(vl);
+  cs.push_back(Case{bf, 1, 257, 257, 4, 1, 128}.window(50, 20));
+  cs.push_back(Case{bf, 2, 100, 1000, 2, 2, 64}.capped(30.f));
+  cs.push_back(Case{bf, 3, 150, 170, 2, 1, 128, true}.ragged({150, 77, 0}, {170, 1, 90}));
   cs.push_back({bf, 1, 1, 1, 1, 1, 128});
   cs.push_back({hf, 1, 17, 1029, 8, 1, 256});
-  Case sw{bf, 1, 1000, 1000, 1, 1, 64, true};
-  sw.window_left = 100;
-  cs.push_back(sw);
-  Case wr{hf, 2, 64, 64, 2, 2, 256};
-  wr.window_right = 10;
-  cs.push_back(wr);
-  Case cc{bf, 1, 512, 512, 2, 2, 128, true};
-  cc.softcap = 20.f;
-  cs.push_back(cc);
-  Case v2{hf, 2, 200, 300, 4, 2, 64};
-  v2.q_seqlens = {133, 200};
-  v2.kv_seqlens = {300, 45};
-  cs.push_back(v2);
+  cs.push_back(Case{bf, 1, 1000, 1000, 1, 1, 64, true}.window(100, -1));
+  cs.push_back(Case{hf, 2, 64, 64, 2, 2, 256}.window(-1, 10));
+  cs.push_back(Case{bf, 1, 512, 512, 2, 2, 128, true}.capped(20.f));
+  cs.push_back(Case{hf, 2, 200, 300, 4, 2, 64}.ragged({133, 200}, {300, 45}));
   cs.push_back({bf, 1, 2048, 2048, 4, 4, 128, true});
   cs.push_back({bf, 2, 700, 1500, 2, 2, 256});
   cs.push_back({hf, 1, 1024, 1024, 4, 4, 64, true});
@@ -320,18 +303,14 @@ std::vector<Case> check_cases() {
   // (its phases flip, outputs are stored by TMA from a buffer the producer refills two tiles
   // later), and q_seqlens put empty tiles (output from registers) between staged ones.
   cs.push_back({bf, 16, 256, 256, 16, 4, 64});
-  Case many{hf, 8, 640, 640, 8, 8, 128, true};
-  many.q_seqlens = {640, 0, 300, 640, 1, 640, 129, 500};
-  cs.push_back(many);
+  cs.push_back(
+      Case{hf, 8, 640, 640, 8, 8, 128, true}.ragged({640, 0, 300, 640, 1, 640, 129, 500}, {}));
   cs.push_back({bf, 12, 256, 256, 8, 2, 256});
   // Several tiles per CTA where the v3 forward fuses a tile's last PV with the next tile's first
   // S: the 192-row tile (three consumer warpgroups, 352 units: the Q ring wraps), and a causal
   // left window with softcap, whose tiles alternate between one key block (not fused) and two.
   cs.push_back({bf, 1, 2048, 2048, 32, 8, 64});
-  Case wm{bf, 8, 512, 512, 8, 2, 128, true};
-  wm.window_left = 60;
-  wm.softcap = 30.f;
-  cs.push_back(wm);
+  cs.push_back(Case{bf, 8, 512, 512, 8, 2, 128, true}.window(60, -1).capped(30.f));
   return cs;
 }
 
@@ -427,10 +406,8 @@ int main(int argc, char** argv) {
       uint64_t seed = 1;
       for (const Case& c : check_cases()) ok &= check_case(c, ++seed);
     } else if (mode == "small") {
-      Case c{DType::kBF16, 2, 150, 200, 4, 2, 128, true};
-      c.q_seqlens = {150, 100};
-      c.kv_seqlens = {200, 120};
-      ok &= check_case(c, 7);
+      const Case c{DType::kBF16, 2, 150, 200, 4, 2, 128, true};
+      ok &= check_case(c.ragged({150, 100}, {200, 120}), 7);
       ok &= check_case({DType::kF16, 1, 70, 90, 2, 1, 256}, 8);
       ok &= check_case({DType::kBF16, 1, 130, 130, 2, 2, 64, true}, 9);
       ok &= check_case({DType::kBF16, 8, 384, 384, 12, 4, 64}, 10);  // 288 tiles: several per CTA

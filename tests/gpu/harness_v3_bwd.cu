@@ -53,6 +53,7 @@ using harness::fill_random;
 using harness::grid_cases;
 using harness::median_event_ms;
 using harness::parallel_for;
+using harness::to_double;
 using harness::to_float;
 
 namespace {
@@ -315,50 +316,23 @@ std::vector<Case> check_cases() {
   cs.push_back({bf, 2, 130, 333, 4, 1, 128});         // T < S, GQA 4:1
   cs.push_back({hf, 1, 333, 130, 8, 2, 128, true});  // T > S, GQA 4:1
   cs.push_back({bf, 1, 200, 300, 8, 1, 64});          // MQA
-  Case w{bf, 1, 257, 257, 4, 1, 128};
-  w.window_left = 50;
-  w.window_right = 20;
-  cs.push_back(w);
-  Case sw{hf, 1, 600, 600, 2, 2, 64, true};
-  sw.window_left = 100;
-  cs.push_back(sw);
-  Case sc{bf, 2, 100, 700, 2, 2, 64};
-  sc.softcap = 30.f;
-  cs.push_back(sc);
-  Case scc{bf, 1, 300, 300, 4, 2, 128, true};
-  scc.softcap = 5.f;
-  cs.push_back(scc);
-  Case vl{bf, 3, 150, 170, 4, 2, 128, true};
-  vl.q_seqlens = {150, 77, 0};
-  vl.kv_seqlens = {170, 1, 90};
-  cs.push_back(vl);
-  Case v2{hf, 2, 200, 300, 4, 2, 64};
-  v2.q_seqlens = {133, 200};
-  v2.kv_seqlens = {300, 45};
-  cs.push_back(v2);
+  cs.push_back(Case{bf, 1, 257, 257, 4, 1, 128}.window(50, 20));
+  cs.push_back(Case{hf, 1, 600, 600, 2, 2, 64, true}.window(100, -1));
+  cs.push_back(Case{bf, 2, 100, 700, 2, 2, 64}.capped(30.f));
+  cs.push_back(Case{bf, 1, 300, 300, 4, 2, 128, true}.capped(5.f));
+  cs.push_back(Case{bf, 3, 150, 170, 4, 2, 128, true}.ragged({150, 77, 0}, {170, 1, 90}));
+  cs.push_back(Case{hf, 2, 200, 300, 4, 2, 64}.ragged({133, 200}, {300, 45}));
   // Head dim 256 (64-key blocks, the head dim split between the consumer warpgroups).
   cs.push_back({bf, 1, 1, 1, 1, 1, 256});
   cs.push_back({hf, 1, 97, 97, 4, 4, 256, true});
   cs.push_back({bf, 1, 1030, 1030, 2, 2, 256});
   cs.push_back({bf, 2, 130, 333, 4, 1, 256});         // T < S, GQA 4:1
   cs.push_back({hf, 1, 333, 130, 8, 2, 256, true});  // T > S, GQA 4:1
-  Case w256{bf, 1, 257, 257, 4, 1, 256};
-  w256.window_left = 50;
-  w256.window_right = 20;
-  cs.push_back(w256);
-  Case sw256{hf, 1, 600, 600, 2, 2, 256, true};
-  sw256.window_left = 100;
-  cs.push_back(sw256);
-  Case sc256{hf, 2, 100, 700, 2, 2, 256};
-  sc256.softcap = 30.f;
-  cs.push_back(sc256);
-  Case scc256{bf, 1, 300, 300, 4, 2, 256, true};
-  scc256.softcap = 5.f;
-  cs.push_back(scc256);
-  Case vl256{bf, 3, 150, 170, 4, 2, 256, true};
-  vl256.q_seqlens = {150, 77, 0};
-  vl256.kv_seqlens = {170, 1, 90};
-  cs.push_back(vl256);
+  cs.push_back(Case{bf, 1, 257, 257, 4, 1, 256}.window(50, 20));
+  cs.push_back(Case{hf, 1, 600, 600, 2, 2, 256, true}.window(100, -1));
+  cs.push_back(Case{hf, 2, 100, 700, 2, 2, 256}.capped(30.f));
+  cs.push_back(Case{bf, 1, 300, 300, 4, 2, 256, true}.capped(5.f));
+  cs.push_back(Case{bf, 3, 150, 170, 4, 2, 256, true}.ragged({150, 77, 0}, {170, 1, 90}));
   return cs;
 }
 
@@ -375,20 +349,11 @@ std::vector<Case> split_cases() {
   cs.push_back({hf, 2, 130, 270, 8, 2, 256});         // GQA 4:1, T < S, H = 256
   cs.push_back({hf, 1, 333, 200, 8, 2, 128, true});   // GQA 4:1, T > S
   cs.push_back({bf, 1, 300, 300, 12, 2, 128, true});  // GQA 6:1 (splits 1, 2)
-  Case w{bf, 1, 400, 400, 8, 2, 128};
-  w.window_left = 64;
-  w.window_right = 32;
-  cs.push_back(w);
-  Case vl{bf, 3, 300, 300, 8, 2, 64, true};
-  vl.q_seqlens = {300, 150, 0};
-  vl.kv_seqlens = {200, 300, 7};
-  cs.push_back(vl);
-  Case sc{bf, 1, 256, 256, 8, 2, 64, true};  // softcap at H = 64 (the branch with a spill)
-  sc.softcap = 10.f;
-  cs.push_back(sc);
-  Case sc256{hf, 1, 200, 300, 8, 2, 256};
-  sc256.softcap = 20.f;
-  cs.push_back(sc256);
+  cs.push_back(Case{bf, 1, 400, 400, 8, 2, 128}.window(64, 32));
+  cs.push_back(Case{bf, 3, 300, 300, 8, 2, 64, true}.ragged({300, 150, 0}, {200, 300, 7}));
+  // softcap at H = 64 (the branch with a spill)
+  cs.push_back(Case{bf, 1, 256, 256, 8, 2, 64, true}.capped(10.f));
+  cs.push_back(Case{hf, 1, 200, 300, 8, 2, 256}.capped(20.f));
   return cs;
 }
 
@@ -489,14 +454,9 @@ bool bench(const std::vector<Case>& cases, int reps, int64_t v2_from_head_dim) {
       CUDA_CHECK(pb.launch_v3(false));
       CUDA_CHECK(cudaDeviceSynchronize());
       const Problem::Grads v3 = pb.fetch();
-      const auto as_double = [&](const std::vector<uint16_t>& x) {
-        std::vector<double> d(x.size());
-        for (size_t i = 0; i < x.size(); ++i) d[i] = to_float(x[i], c.dtype);
-        return d;
-      };
-      Errors e[3] = {compare(v3.dq, as_double(v2.dq), c.dtype),
-                     compare(v3.dk, as_double(v2.dk), c.dtype),
-                     compare(v3.dv, as_double(v2.dv), c.dtype)};
+      Errors e[3] = {compare(v3.dq, to_double(v2.dq, c.dtype), c.dtype),
+                     compare(v3.dk, to_double(v2.dk, c.dtype), c.dtype),
+                     compare(v3.dv, to_double(v2.dv, c.dtype), c.dtype)};
       all_ok &= report("v3 vs v2", c, e, true, "");
     }
     const double fwd = median_event_ms([&] { CUDA_CHECK(pb.launch_forward()); }, 3, reps);
@@ -577,13 +537,8 @@ bool bench_gqa(const std::vector<Case>& cases, int reps) {
     CUDA_CHECK(pb.launch_v3_split(false, -1));
     CUDA_CHECK(cudaDeviceSynchronize());
     const Problem::Grads base = pb.fetch();
-    const auto as_double = [&](const std::vector<uint16_t>& x) {
-      std::vector<double> d(x.size());
-      for (size_t i = 0; i < x.size(); ++i) d[i] = to_float(x[i], c.dtype);
-      return d;
-    };
-    const std::vector<double> bq = as_double(base.dq), bk = as_double(base.dk),
-                              bv = as_double(base.dv);
+    const std::vector<double> bq = to_double(base.dq, c.dtype), bk = to_double(base.dk, c.dtype),
+                              bv = to_double(base.dv, c.dtype);
     for (const int split : schedules) {
       for (const bool det : {false, true}) {
         pb.poison();
@@ -655,20 +610,13 @@ int main(int argc, char** argv) {
       for (const Case& c : check_cases()) ok &= check_case(c, ++seed);
       for (const Case& c : split_cases()) ok &= check_split_case(c, ++seed);
     } else if (mode == "small") {  // for compute-sanitizer
-      Case c{DType::kBF16, 2, 150, 200, 4, 2, 128, true};
-      c.q_seqlens = {150, 100};
-      c.kv_seqlens = {200, 120};
-      ok &= check_case(c, 7);
+      const DType bf = DType::kBF16;
+      ok &= check_case(Case{bf, 2, 150, 200, 4, 2, 128, true}.ragged({150, 100}, {200, 120}), 7);
       ok &= check_case({DType::kF16, 1, 130, 90, 2, 1, 64}, 8);
-      Case c256{DType::kBF16, 2, 150, 200, 4, 2, 256, true};
-      c256.q_seqlens = {150, 100};
-      c256.kv_seqlens = {200, 120};
-      ok &= check_case(c256, 9);
+      ok &= check_case(Case{bf, 2, 150, 200, 4, 2, 256, true}.ragged({150, 100}, {200, 120}), 9);
       // GQA schedule, every split, both modes (kv_seqlens shorter than the keys: skipped rows)
-      Case g{DType::kBF16, 2, 150, 200, 8, 2, 128, true};
-      g.q_seqlens = {150, 90};
-      g.kv_seqlens = {200, 70};
-      ok &= check_split_case(g, 10);
+      const Case gqa{bf, 2, 150, 200, 8, 2, 128, true};
+      ok &= check_split_case(gqa.ragged({150, 90}, {200, 70}), 10);
       ok &= check_split_case({DType::kF16, 1, 100, 130, 8, 1, 256}, 11);
     } else if (mode == "--bench" || mode == "bench") {
       ok &= bench(grid_cases(), 10, 0);

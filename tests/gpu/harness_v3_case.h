@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "harness_common.h"
@@ -21,6 +22,26 @@ struct V3Case {
   int window_left = -1, window_right = -1;
   float softcap = 0.f;
   std::vector<int32_t> q_seqlens, kv_seqlens;  // empty: not passed
+
+  // This case with a sliding window (-1: unbounded on that side), a softcap, or per-batch
+  // lengths: the check lists build their cases with these.
+  V3Case window(int left, int right) const {
+    V3Case c = *this;
+    c.window_left = left;
+    c.window_right = right;
+    return c;
+  }
+  V3Case capped(float cap) const {
+    V3Case c = *this;
+    c.softcap = cap;
+    return c;
+  }
+  V3Case ragged(std::vector<int32_t> q_lens, std::vector<int32_t> kv_lens) const {
+    V3Case c = *this;
+    c.q_seqlens = std::move(q_lens);
+    c.kv_seqlens = std::move(kv_lens);
+    return c;
+  }
 
   std::string describe() const {
     char buf[256];

@@ -1,5 +1,6 @@
-"""Where a training step's device time goes: examples/train.py's step with v3 attention and with
-cuDNN attention, side by side, kernel by kernel, from one jax profiler trace (issue #5).
+"""Where a training step's device time goes, kernel by kernel, with v3 and with cuDNN attention.
+
+examples/train.py's step both ways, side by side, from one jax profiler trace (issue #5).
 
   python3 tests/gpu/train_profile.py [--steps 3] [train.py's model flags, e.g. --kv-heads 16]
 
@@ -30,12 +31,9 @@ def parse_args() -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=3, help="steps per implementation traced")
   parser.add_argument("--top", type=int, default=12, help="kernels listed per implementation")
-  parser.add_argument("--batch", type=int, default=4)
-  parser.add_argument("--seq-len", type=int, default=4096)
-  parser.add_argument("--d-model", type=int, default=2048)
-  parser.add_argument("--heads", type=int, default=16)
-  parser.add_argument("--kv-heads", type=int, default=2)
-  parser.add_argument("--layers", type=int, default=1)
+  train.add_shape_arguments(parser)
+  # The training-step comparison's shape (docs/perf-notes.md): GQA 16:2, causal, T = 4096.
+  parser.set_defaults(batch=4, seq_len=4096, d_model=2048, heads=16, layers=1)
   return parser.parse_args()
 
 
