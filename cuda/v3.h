@@ -89,4 +89,46 @@ cudaError_t V3BackwardScheduled(const BackwardArgs& args, const V3BackwardWorksp
 int V3BackwardChosenSplit(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
                           bool deterministic, int sm_count = 0);
 
+#ifdef JAX_FLASH_V3_BWD_TIMELINE
+// ---- Timeline of the backward main kernel (measurement builds only: -DJAX_FLASH_V3_BWD_TIMELINE;
+// tests/gpu/build_v3_bwd_timeline.sh, harness mode --timeline) ----
+// Each CTA of v3_backward_kernel writes kEvents records of two uint64 at
+// records + 2 * kEvents * (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)):
+// %globaltimer (ns, common to all SMs but coarse: it steps about every 0.5 us on the H200) and
+// %clock64 (cycles of the CTA's SM, exact), both read at the event. Record kCtaInfo holds
+// (%smid, the CTA's steps) instead. Events not reached keep what the caller stored there.
+namespace v3_bwd_timeline {
+// Steps traced: 0, 1, 2 and the last three (steps - 3 .. steps - 1); slot s is step s for
+// s < 3, else step steps - kTracedSteps + s. A CTA of fewer than 6 steps records each step
+// once, in its lowest slot.
+constexpr int kTracedSteps = 6;
+enum Event : int {
+  kCtaInfo = 0,
+  kEntry,     // thread 0, after the __syncthreads that follows the mbarrier init
+  kKvIssued,  // producer: the K and V loads issued
+  kQIssued,   // + slot: producer, the traced step's Q / dO / lse / D loads issued
+  kConsumer = kQIssued + kTracedSteps,  // + w * kConsumerEvents: consumer warpgroup w + 1
+};
+// Consumer warpgroup w (0: warpgroup 1, the dQ owner at head dims 64 / 128; 1: warpgroup 2,
+// the helper), recorded by its thread 0.
+enum ConsumerEvent : int {
+  kKvFull = 0,                          // the kv_full wait returned
+  kQFull = 1,                           // + slot: the step's q_full wait returned
+  kScoresDone = kQFull + kTracedSteps,  // + slot: the wgmma wait for S^T returned
+  kStepEnd = kScoresDone + kTracedSteps,  // + slot: end of step (the owner: dQ add issued)
+  kDrained = kStepEnd + kTracedSteps,   // the final wgmma wait (every GEMM done) returned
+  kStagingRead,  // head dims 64 / 128: the last dQ bulk reduce has read the staging buffer
+  kExit,         // the dK / dV stores issued: the warpgroup's last instruction
+  kConsumerEvents,
+};
+constexpr int kEvents = 64;
+static_assert(kConsumer + 2 * kConsumerEvents <= kEvents);
+}  // namespace v3_bwd_timeline
+
+// From the next launch on, the main kernel records into `records` (room for `ctas` CTAs,
+// 16 * kEvents bytes each, 16-byte aligned); null: no recording. A launch of more CTAs fails
+// with cudaErrorInvalidValue. Host state, not per stream.
+void V3BackwardSetTimeline(uint64_t* records, int64_t ctas);
+#endif
+
 }  // namespace jax_flash

@@ -239,6 +239,9 @@ struct BwdParams {
   float* dkv_partial;
   int64_t dkv_slot_elems;  // B * kv_len * K * H
   int kv_split, kv_split_log2, heads_per_cta;  // kv_split: 1, 2 or 4
+#ifdef JAX_FLASH_V3_BWD_TIMELINE
+  uint64_t* timeline;  // v3_bwd_timeline records (cuda/v3.h); null: none
+#endif
 };
 
 // dq_accum: per (batch, head), T_pad / 64 row tiles x kSlabs column slabs of 64 x 64 floats,
@@ -253,6 +256,75 @@ struct DqAccum {
                    kDqTileFloats);
   }
 };
+
+// ------------------------------------------------------------------------------------------
+// Timeline instrumentation (-DJAX_FLASH_V3_BWD_TIMELINE only; layout in cuda/v3.h)
+// ------------------------------------------------------------------------------------------
+// TIMELINE_START(p, record) points the CTA at its records (one thread, before a __syncthreads);
+// TIMELINE_EVENT(event, record) stamps an event of this CTA; TIMELINE_STEP_EVENT(event0, it,
+// steps, record) stamps event0 + the slot of step `it` when that step is traced;
+// TIMELINE_CTA_INFO(steps, record) stores (%smid, steps). Without the macro they expand to
+// nothing, so the default build's code is unchanged.
+
+#ifdef JAX_FLASH_V3_BWD_TIMELINE
+namespace tl = v3_bwd_timeline;
+
+// This CTA's records (null: not recording), set by thread 0 before the kernel's __syncthreads.
+// Kept in shared memory and loaded at each stamp: held in registers, the compiler kept the
+// address live over the consumer loop and the H = 64 consumers spilled (nvcc 13.0); computed
+// from %ctaid at each stamp, the H = 128 helper spilled in its loop.
+__shared__ uint64_t* timeline_cta_records;
+
+__device__ __forceinline__ void timeline_set_cta_records(const BwdParams& p, bool record) {
+  if (!record) return;
+  const uint32_t cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  timeline_cta_records =
+      p.timeline != nullptr ? p.timeline + 2 * int64_t(cta) * tl::kEvents : nullptr;
+}
+
+// Every thread that comes here reads both timers and only `record` stores them (predicated, not
+// branched: a divergent branch while wgmmas are in flight makes ptxas serialize them, C7520).
+// The memory clobber keeps the stamp after the stores that precede it in program order.
+__device__ __forceinline__ void timeline_record(int event, bool record) {
+  asm volatile(
+      "{\n .reg .pred p, q;\n .reg .u64 a, t, c;\n"
+      " mov.u64 t, %%globaltimer;\n mov.u64 c, %%clock64;\n"
+      " ld.shared.u64 a, [%0];\n setp.ne.u32 p, %2, 0;\n setp.ne.u64 q, a, 0;\n"
+      " and.pred p, p, q;\n add.u64 a, a, %1;\n"
+      " @p st.global.v2.u64 [a], {t, c};\n}" ::"r"(smem_address(&timeline_cta_records)),
+      "l"(int64_t(16) * event), "r"(uint32_t(record))
+      : "memory");
+}
+
+// Step `it` of `steps` is traced when it is among the first 3 or the last kTracedSteps - 3;
+// the branch is uniform over the CTA.
+__device__ __forceinline__ void timeline_record_step(int event0, int it, int steps, bool record) {
+  const int left = steps - it;  // 1 at the last step
+  const int slot = it < 3 ? it : left <= tl::kTracedSteps - 3 ? tl::kTracedSteps - left : -1;
+  if (slot >= 0) timeline_record(event0 + slot, record);
+}
+
+__device__ __forceinline__ void timeline_record_cta_info(int steps, bool record) {
+  if (!record || timeline_cta_records == nullptr) return;
+  uint32_t smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  *reinterpret_cast<ulonglong2*>(timeline_cta_records + 2 * tl::kCtaInfo) =
+      make_ulonglong2(smid, uint64_t(steps));
+}
+
+#define TIMELINE_START(p, record) timeline_set_cta_records(p, record)
+#define TIMELINE_EVENT(event, record) timeline_record(event, record)
+#define TIMELINE_STEP_EVENT(event0, it, steps, record) \
+  timeline_record_step(event0, it, steps, record)
+#define TIMELINE_CTA_INFO(steps, record) timeline_record_cta_info(steps, record)
+// Event `e` of consumer warpgroup w (run_consumer's `warpgroup`: 0 or 1).
+#define TIMELINE_CONSUMER(w, e) (tl::kConsumer + (w) * tl::kConsumerEvents + tl::e)
+#else
+#define TIMELINE_START(p, record)
+#define TIMELINE_EVENT(event, record)
+#define TIMELINE_STEP_EVENT(event0, it, steps, record)
+#define TIMELINE_CTA_INFO(steps, record)
+#endif
 
 // ------------------------------------------------------------------------------------------
 // Which query blocks a key block visits
@@ -351,6 +423,7 @@ __device__ void run_producer(const BwdParams& p, const KeyBlock& kb, int head0, 
                                            kb.n_block * Cfg::kBlockN, kb.kv_head, kb.batch);
   tma_load_tile<Cfg::kSlabs, Cfg::kBlockN>(&p.tma_v, smem + Cfg::kVOffset, bars.kv_full,
                                            kb.n_block * Cfg::kBlockN, kb.kv_head, kb.batch);
+  TIMELINE_EVENT(tl::kKvIssued, true);
   for (int it = 0; it < kb.steps; ++it) {
     Step st = step_of<kGqa>(p, kb, it);
     if constexpr (kGqa) st.head = head0 + it / (kb.m_end - kb.m_begin);
@@ -371,6 +444,7 @@ __device__ void run_producer(const BwdParams& p, const KeyBlock& kb, int head0, 
                                              row0, st.head, kb.batch);
     bulk_load(smem + Cfg::kDsumOffset + stage * Cfg::kRowStatBytes, p.dsum + stats,
               Cfg::kRowStatBytes, do_full);
+    TIMELINE_STEP_EVENT(tl::kQIssued, it, kb.steps, true);
   }
 }
 
@@ -815,6 +889,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   // Set by the first step (issue_rs_gradient, or issue_ss_gradient for dK at head dims <= 128).
   float dk[Cfg::kGradCols / 2], dv[Cfg::kGradCols / 2];
   if (kb.steps > 0) mbarrier_wait(bars.kv_full, 0);
+  TIMELINE_EVENT(TIMELINE_CONSUMER(warpgroup, kKvFull), thread == 0);
   // The ring position of the step and of the one before (counters: no division by kStages).
   int stage = 0, last_stage = Cfg::kStages - 1;
   uint32_t phase = 0;
@@ -835,6 +910,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     fresh_accumulator(s);
     fresh_accumulator(dp);
     mbarrier_wait(bars.q_full + 8 * stage, phase);
+    TIMELINE_STEP_EVENT(TIMELINE_CONSUMER(warpgroup, kQFull), it, kb.steps, thread == 0);
     wgmma_fence();
     issue_keys_by_queries<Cfg>(k_rows, q_tile + query_col0 * 128, s);
     wgmma_commit();
@@ -842,6 +918,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     issue_keys_by_queries<Cfg>(v_rows, do_tile + query_col0 * 128, dp);
     wgmma_commit();
     wgmma_wait<1>();  // S^T, and with it the previous step's dK
+    TIMELINE_STEP_EVENT(TIMELINE_CONSUMER(warpgroup, kScoresDone), it, kb.steps, thread == 0);
     fence_registers(s);
     fence_registers(dk);
     if (it > 0 && warp_leader) mbarrier_arrive(bars.empty + 8 * last_stage);
@@ -911,6 +988,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
         named_barrier_arrive(kDsFreeBarrier + buffer, kConsumerThreads);
       add_dq<Cfg>(p, kb, st, warpgroup, thread, dq_staging, dq);
     }
+    TIMELINE_STEP_EVENT(TIMELINE_CONSUMER(warpgroup, kStepEnd), it, kb.steps, thread == 0);
     last_stage = stage;
     if (++stage == Cfg::kStages) {
       stage = 0;
@@ -923,8 +1001,11 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   }
   wgmma_wait<0>();
   fence_registers(dk);
-  if constexpr (Cfg::kDqByBulkReduce)
+  TIMELINE_EVENT(TIMELINE_CONSUMER(warpgroup, kDrained), thread == 0);
+  if constexpr (Cfg::kDqByBulkReduce) {
     bulk_wait_reads();  // the staging buffer outlives the last reduce's read
+    TIMELINE_EVENT(TIMELINE_CONSUMER(warpgroup, kStagingRead), thread == 0);
+  }
   if (kb.steps == 0) {  // no query row keeps a key of this block: dK = dV = 0
     zero(dk);
     zero(dv);
@@ -966,9 +1047,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  TIMELINE_START(p, threadIdx.x == 0);
   __syncthreads();
+  TIMELINE_EVENT(tl::kEntry, threadIdx.x == 0);
 
   const KeyBlock kb = key_block_of<Cfg, kGqa>(p);
+  TIMELINE_CTA_INFO(kb.steps, threadIdx.x == 0);
   // Broadcast from lane 0 so that the compiler knows it is warp-uniform: the consumer roles
   // below are separate wgmma paths, which ptxas otherwise treats as divergent (C7520).
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
@@ -993,10 +1077,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     grow_registers<Cfg::kOwnerRegisters>();
     run_consumer<Cfg, Cfg::kSplitHeadDim ? DqRole::kShared : DqRole::kOwner, kGqa>(p, kb, smem,
                                                                                   bars, 0);
+    TIMELINE_EVENT(TIMELINE_CONSUMER(0, kExit), threadIdx.x == 128);
   } else {
     grow_registers<Cfg::kHelperRegisters>();
     run_consumer<Cfg, Cfg::kSplitHeadDim ? DqRole::kShared : DqRole::kHelper, kGqa>(p, kb, smem,
                                                                                    bars, 1);
+    TIMELINE_EVENT(TIMELINE_CONSUMER(1, kExit), threadIdx.x == 256);
   }
 }
 
@@ -1323,6 +1409,14 @@ int choose_schedule(const AttentionShape& sh, const BwdParams& p, bool determini
   return best;
 }
 
+#ifdef JAX_FLASH_V3_BWD_TIMELINE
+struct TimelineBuffer {
+  uint64_t* records = nullptr;
+  int64_t ctas = 0;
+};
+TimelineBuffer timeline_buffer;  // V3BackwardSetTimeline
+#endif
+
 // The BwdParams fields of launch_main that choose_schedule reads (windows).
 BwdParams window_params(const BackwardArgs& a) {
   BwdParams p{};
@@ -1363,6 +1457,12 @@ cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bo
   const MaskSpec& spec = a.fwd.spec;
   p.scale = spec.scale;
   set_score_params(p, spec);
+#ifdef JAX_FLASH_V3_BWD_TIMELINE
+  const int64_t ctas = key_blocks(sh) * sh.num_kv_heads * std::max(split, 1) * sh.batch;
+  if (timeline_buffer.records != nullptr && ctas > timeline_buffer.ctas)
+    return cudaErrorInvalidValue;
+  p.timeline = timeline_buffer.records;
+#endif
 
   if (split >= 1) {
     p.kv_split = split;
@@ -1455,6 +1555,12 @@ V3BackwardWorkspaceBytes V3BackwardWorkspaceSizes(const AttentionShape& sh, bool
 }
 
 int V3BackwardMaxKvSplit(const AttentionShape& shape) { return workspace_kv_split(shape); }
+
+#ifdef JAX_FLASH_V3_BWD_TIMELINE
+void V3BackwardSetTimeline(uint64_t* records, int64_t ctas) {
+  timeline_buffer = {records, records != nullptr ? ctas : 0};
+}
+#endif
 
 const char* V3BackwardUnsupportedReason(const BackwardArgs& a) {
   const AttentionShape& sh = a.fwd.shape;

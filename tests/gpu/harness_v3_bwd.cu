@@ -22,6 +22,10 @@
 //          rounds; deterministic mode too. "default" is the code of the build before the GQA
 //          schedule (same SASS), so each row is its own A/B.
 //   --bench-gqa-one B T N K H causal  the same for one shape
+//   --timeline H T causal [records.csv]  (builds of tests/gpu/build_v3_bwd_timeline.sh only)
+//          one grid row on the default grid: stamps of every CTA of the main kernel (cuda/v3.h,
+//          v3_bwd_timeline), summarized per phase (time since CTA entry), per CTA (duration, SM
+//          gap, per-step budget), and written raw to records.csv
 //
 // Build: tests/gpu/build_v3_bwd.sh (static cudart; runs on the H200 unchanged).
 // Exit status: 0 when every check passed.
@@ -587,11 +591,298 @@ bool bench_gqa(const std::vector<Case>& cases, int reps) {
   return all_ok;
 }
 
+#ifdef JAX_FLASH_V3_BWD_TIMELINE
+// ---- --timeline: where a CTA of the main kernel spends its time ------------------------------
+//
+// Built only with -DJAX_FLASH_V3_BWD_TIMELINE (tests/gpu/build_v3_bwd_timeline.sh); record
+// layout: cuda/v3.h, v3_bwd_timeline. Times inside a CTA and between CTAs of one SM come from
+// %clock64 (that SM's cycles), converted to ns at the SM's own rate: its clock64 span over its
+// globaltimer span, first record to last (the globaltimer alone steps too coarsely for
+// sub-microsecond phases). The kernel span is the globaltimer's.
+
+namespace tl = jax_flash::v3_bwd_timeline;
+
+constexpr int kTimelineUsedEvents = tl::kConsumer + 2 * tl::kConsumerEvents;
+
+int consumer_event(int w, int e) { return tl::kConsumer + w * tl::kConsumerEvents + e; }
+
+// The traced steps by slot (n = the CTA's steps).
+const char* const kTimelineSlots[tl::kTracedSteps] = {"0", "1", "2", "n-3", "n-2", "n-1"};
+
+// Column name of record e (CSV header, summary rows).
+std::string timeline_event_name(int e) {
+  if (e == tl::kEntry) return "entry";
+  if (e == tl::kKvIssued) return "prod_kv_issued";
+  if (e < tl::kConsumer) return std::string("prod_q_issued_") + kTimelineSlots[e - tl::kQIssued];
+  const int w = (e - tl::kConsumer) / tl::kConsumerEvents;
+  const int c = (e - tl::kConsumer) % tl::kConsumerEvents;
+  const std::string role = w == 0 ? "wg1_" : "wg2_";
+  if (c == tl::kKvFull) return role + "kv_full";
+  if (c < tl::kScoresDone) return role + "q_full_" + kTimelineSlots[c - tl::kQFull];
+  if (c < tl::kStepEnd) return role + "scores_" + kTimelineSlots[c - tl::kScoresDone];
+  if (c < tl::kDrained) return role + "step_end_" + kTimelineSlots[c - tl::kStepEnd];
+  if (c == tl::kDrained) return role + "drained";
+  if (c == tl::kStagingRead) return role + "staging_read";
+  return role + "exit";
+}
+
+struct CtaTimeline {
+  int64_t cta;
+  uint32_t smid;
+  int steps;
+  const uint64_t* rec;       // kEvents pairs (globaltimer, clock64); 0: not reached
+  double cycles_per_ns = 0;  // of its SM
+  bool has(int e) const { return rec[2 * e] != 0; }
+  uint64_t gt(int e) const { return rec[2 * e]; }
+  uint64_t clk(int e) const { return rec[2 * e + 1]; }
+  // The CTA's end: the later consumer exit.
+  int end_event() const {
+    const int a = consumer_event(0, tl::kExit), b = consumer_event(1, tl::kExit);
+    return !has(b) || (has(a) && clk(a) >= clk(b)) ? a : b;
+  }
+  // ns from event a to event b.
+  double ns(int a, int b) const { return (double(clk(b)) - double(clk(a))) / cycles_per_ns; }
+};
+
+struct Spread {
+  double p10 = NAN, p50 = NAN, p90 = NAN;
+  size_t n = 0;
+};
+Spread spread(std::vector<double> x) {
+  Spread s;
+  s.n = x.size();
+  if (x.empty()) return s;
+  std::sort(x.begin(), x.end());
+  const auto at = [&](double q) { return x[size_t(q * double(x.size() - 1) + 0.5)]; };
+  s.p10 = at(0.1);
+  s.p50 = at(0.5);
+  s.p90 = at(0.9);
+  return s;
+}
+// One summary row: median, p10, p90 in us (from ns), and how many CTAs; none when empty.
+void print_spread(const std::string& what, const std::vector<double>& ns) {
+  const Spread s = spread(ns);
+  if (s.n > 0)
+    std::printf("  %-36s %8.3f %8.3f %8.3f  (%zu)\n", what.c_str(), s.p50 * 1e-3, s.p10 * 1e-3,
+                s.p90 * 1e-3, s.n);
+}
+
+// Warpgroup w's time split per CTA of at least kTracedSteps steps (fewer: the last slots alias
+// the first). Step k lasts from step k - 1's end (kv_full for step 0) to its own end;
+// "steady" is the mean step of 3 .. n-3 (n - 5 steps), "fixed" what the CTA takes beyond n
+// steady steps.
+void print_budget(const std::vector<CtaTimeline>& all, int w) {
+  const int kv = consumer_event(w, tl::kKvFull), drained = consumer_event(w, tl::kDrained);
+  const int read = consumer_event(w, tl::kStagingRead), exit = consumer_event(w, tl::kExit);
+  const auto end_of = [&](int slot) { return consumer_event(w, tl::kStepEnd + slot); };
+  const int last = end_of(tl::kTracedSteps - 1);
+  std::vector<double> head, first3, steady, last2, drain, staging, stores, fixed;
+  for (const CtaTimeline& t : all) {
+    if (t.steps < tl::kTracedSteps) continue;
+    const double step = t.ns(end_of(2), end_of(3)) / (t.steps - 5);
+    head.push_back(t.ns(tl::kEntry, kv));
+    first3.push_back(t.ns(kv, end_of(2)));
+    steady.push_back(step);
+    last2.push_back(t.ns(end_of(3), last));
+    drain.push_back(t.ns(last, drained));
+    if (t.has(read)) {
+      staging.push_back(t.ns(drained, read));
+      stores.push_back(t.ns(read, exit));
+    } else {
+      stores.push_back(t.ns(drained, exit));
+    }
+    fixed.push_back(t.ns(tl::kEntry, exit) - t.steps * step);
+  }
+  std::printf(" wg%d budget (us: median p10 p90 (CTAs)):\n", w + 1);
+  print_spread("entry -> kv_full", head);
+  print_spread("steps 0..2 (kv_full -> end of 2)", first3);
+  print_spread("steady step (mean of 3..n-3)", steady);
+  print_spread("steps n-2, n-1", last2);
+  print_spread("last step end -> drained", drain);
+  print_spread("drained -> staging read", staging);
+  print_spread("-> exit (dK / dV stores issued)", stores);
+  print_spread("fixed: entry->exit - n x steady", fixed);
+  // Each traced step split into the wait for its Q tile (from the previous step's end; not
+  // for n-3, whose previous step is not traced unless n == 6), S^T, and the rest: each column
+  // from the one before.
+  std::printf("  %-8s %9s %9s %9s %9s   (medians, us)\n", "step", "duration", "-> q_full",
+              "-> S^T", "-> end");
+  for (int s = 0; s < tl::kTracedSteps; ++s) {
+    const int q_full = consumer_event(w, tl::kQFull + s);
+    const int scores = consumer_event(w, tl::kScoresDone + s);
+    std::vector<double> duration, q_wait, s_wait, rest;
+    for (const CtaTimeline& t : all) {
+      if (t.steps < tl::kTracedSteps) continue;
+      if (s != 3 || t.steps == tl::kTracedSteps) {
+        const int prev = s == 0 ? kv : end_of(s - 1);
+        duration.push_back(t.ns(prev, end_of(s)));
+        q_wait.push_back(t.ns(prev, q_full));
+      }
+      s_wait.push_back(t.ns(q_full, scores));
+      rest.push_back(t.ns(scores, end_of(s)));
+    }
+    std::printf("  %-8s %9.3f %9.3f %9.3f %9.3f\n", kTimelineSlots[s], spread(duration).p50 * 1e-3,
+                spread(q_wait).p50 * 1e-3, spread(s_wait).p50 * 1e-3, spread(rest).p50 * 1e-3);
+  }
+}
+
+// Writes the raw records, one row per CTA: cta, smid, steps, then (globaltimer ns, clock64)
+// per event; 0 = not reached.
+bool write_timeline_csv(const char* path, const std::vector<uint64_t>& host, int64_t ctas) {
+  FILE* f = std::fopen(path, "w");
+  if (f == nullptr) {
+    std::fprintf(stderr, "cannot write %s\n", path);
+    return false;
+  }
+  std::fprintf(f, "cta,smid,steps");
+  for (int e = tl::kEntry; e < kTimelineUsedEvents; ++e) {
+    const std::string name = timeline_event_name(e);
+    std::fprintf(f, ",%s_gt_ns,%s_clk", name.c_str(), name.c_str());
+  }
+  std::fprintf(f, "\n");
+  for (int64_t i = 0; i < ctas; ++i) {
+    const uint64_t* rec = host.data() + i * 2 * tl::kEvents;
+    std::fprintf(f, "%ld,%lu,%lu", long(i), (unsigned long)rec[2 * tl::kCtaInfo],
+                 (unsigned long)rec[2 * tl::kCtaInfo + 1]);
+    for (int e = tl::kEntry; e < kTimelineUsedEvents; ++e)
+      std::fprintf(f, ",%lu,%lu", (unsigned long)rec[2 * e], (unsigned long)rec[2 * e + 1]);
+    std::fprintf(f, "\n");
+  }
+  return std::fclose(f) == 0;
+}
+
+// The summary of one recorded launch (host records of `ctas` CTAs). False when no CTA recorded.
+bool summarize_timeline(const Case& c, const std::vector<uint64_t>& host, int64_t ctas) {
+  std::vector<CtaTimeline> all;
+  for (int64_t i = 0; i < ctas; ++i) {
+    const uint64_t* rec = host.data() + i * 2 * tl::kEvents;
+    CtaTimeline t{i, uint32_t(rec[2 * tl::kCtaInfo]), int(rec[2 * tl::kCtaInfo + 1]), rec};
+    if (t.has(tl::kEntry) && t.has(t.end_event())) all.push_back(t);
+  }
+  std::printf("timeline %s: %zu of %ld CTAs recorded\n", c.describe().c_str(), all.size(),
+              long(ctas));
+  if (all.empty()) return false;
+
+  // Per SM: the clock rate, and the gaps between one CTA's end and the next one's entry.
+  std::vector<std::vector<size_t>> by_sm;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (all[i].smid >= by_sm.size()) by_sm.resize(all[i].smid + 1);
+    by_sm[all[i].smid].push_back(i);
+  }
+  std::vector<double> rates, gaps, ctas_per_sm, steps;
+  uint64_t first_gt = UINT64_MAX, last_gt = 0;
+  for (std::vector<size_t>& on_sm : by_sm) {
+    if (on_sm.empty()) continue;
+    std::sort(on_sm.begin(), on_sm.end(), [&](size_t a, size_t b) {
+      return all[a].clk(tl::kEntry) < all[b].clk(tl::kEntry);
+    });
+    const CtaTimeline &head = all[on_sm.front()], &tail = all[on_sm.back()];
+    const int tail_end = tail.end_event();
+    const double span_ns = double(tail.gt(tail_end)) - double(head.gt(tl::kEntry));
+    const double span_clk = double(tail.clk(tail_end)) - double(head.clk(tl::kEntry));
+    const double rate = span_clk / span_ns;
+    rates.push_back(rate);
+    ctas_per_sm.push_back(double(on_sm.size()));
+    for (size_t i : on_sm) all[i].cycles_per_ns = rate;
+    for (size_t k = 0; k + 1 < on_sm.size(); ++k) {
+      const CtaTimeline &a = all[on_sm[k]], &b = all[on_sm[k + 1]];
+      gaps.push_back((double(b.clk(tl::kEntry)) - double(a.clk(a.end_event()))) / rate);
+    }
+    first_gt = std::min(first_gt, head.gt(tl::kEntry));
+    last_gt = std::max(last_gt, tail.gt(tail_end));
+  }
+  // The globaltimer's step: the smallest nonzero difference between recorded values.
+  std::vector<uint64_t> stamps;
+  for (const CtaTimeline& t : all) {
+    steps.push_back(t.steps);
+    for (int e = tl::kEntry; e < kTimelineUsedEvents; ++e)
+      if (t.has(e)) stamps.push_back(t.gt(e));
+  }
+  std::sort(stamps.begin(), stamps.end());
+  uint64_t gt_step = 0;
+  for (size_t i = 1; i < stamps.size(); ++i)
+    if (stamps[i] != stamps[i - 1] && (gt_step == 0 || stamps[i] - stamps[i - 1] < gt_step))
+      gt_step = stamps[i] - stamps[i - 1];
+  const Spread rate = spread(rates);
+  std::printf("SMs %zu, CTAs per SM median %.0f, steps per CTA median %.0f; SM clock %.3f GHz "
+              "(p10 %.3f, p90 %.3f); globaltimer step >= %lu ns\n",
+              rates.size(), spread(ctas_per_sm).p50, spread(steps).p50, rate.p50, rate.p10,
+              rate.p90, (unsigned long)gt_step);
+  std::printf("main kernel span (globaltimer, first entry to last exit) %.1f us\n",
+              (double(last_gt) - double(first_gt)) * 1e-3);
+
+  std::printf(" CTA (us: median p10 p90 (CTAs or gaps)):\n");
+  std::vector<double> duration;
+  for (const CtaTimeline& t : all) duration.push_back(t.ns(tl::kEntry, t.end_event()));
+  print_spread("CTA duration (entry -> last exit)", duration);
+  print_spread("SM gap (exit -> next CTA's entry)", gaps);
+  std::printf(" since CTA entry (us: median p10 p90 (CTAs); consumer rows wg1 | wg2):\n");
+  const auto since_entry = [&](int e) {
+    std::vector<double> since;
+    for (const CtaTimeline& t : all)
+      if (t.has(e)) since.push_back(t.ns(tl::kEntry, e));
+    return spread(since);
+  };
+  for (int e = tl::kKvIssued; e < tl::kConsumer; ++e) {
+    const Spread s = since_entry(e);
+    std::printf("  %-22s %8.3f %8.3f %8.3f (%zu)\n", timeline_event_name(e).c_str(),
+                s.p50 * 1e-3, s.p10 * 1e-3, s.p90 * 1e-3, s.n);
+  }
+  for (int e = 0; e < tl::kConsumerEvents; ++e) {
+    const Spread a = since_entry(consumer_event(0, e)), b = since_entry(consumer_event(1, e));
+    if (a.n + b.n == 0) continue;
+    std::printf("  %-22s %8.3f %8.3f %8.3f (%zu) | %8.3f %8.3f %8.3f (%zu)\n",
+                timeline_event_name(consumer_event(0, e)).substr(4).c_str(), a.p50 * 1e-3,
+                a.p10 * 1e-3, a.p90 * 1e-3, a.n, b.p50 * 1e-3, b.p10 * 1e-3, b.p90 * 1e-3, b.n);
+  }
+  for (int w = 0; w < 2; ++w) print_budget(all, w);
+  return true;
+}
+
+// Runs grid config c on the default grid with recording, prints the summary and writes the raw
+// records to csv_path (null: none).
+bool timeline(const Case& c, const char* csv_path) {
+  Problem pb(c, 1);
+  const int64_t block_keys = c.H > 128 ? 64 : 128;
+  const int64_t ctas = (c.S + block_keys - 1) / block_keys * c.K * c.B;
+  const int64_t words = ctas * 2 * tl::kEvents;
+  uint64_t* records = device_alloc<uint64_t>(words);
+  const auto launch = [&] { CUDA_CHECK(pb.launch_v3_split(false, -1)); };
+  // Perturbation check: the whole backward with the stamps stored, and with the timers read
+  // but not stored (compare both with the default build's harness_v3_bwd --bench-one).
+  jax_flash::V3BackwardSetTimeline(records, ctas);
+  const double ms_stored = median_event_ms(launch, 3, 10);
+  jax_flash::V3BackwardSetTimeline(nullptr, 0);
+  const double ms_read = median_event_ms(launch, 3, 10);
+  jax_flash::V3BackwardSetTimeline(records, ctas);
+  CUDA_CHECK(cudaMemset(records, 0, words * 8));
+  launch();
+  CUDA_CHECK(cudaDeviceSynchronize());
+  jax_flash::V3BackwardSetTimeline(nullptr, 0);
+  std::vector<uint64_t> host(words);
+  CUDA_CHECK(cudaMemcpy(host.data(), records, words * 8, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaFree(records));
+  std::printf("backward (pre + main + post, cudaEvent median of 10): %.3f ms stamps stored, "
+              "%.3f ms timers read only\n",
+              ms_stored, ms_read);
+  bool ok = summarize_timeline(c, host, ctas);
+  if (csv_path != nullptr) {
+    ok &= write_timeline_csv(csv_path, host, ctas);
+    std::printf("raw records: %s\n", csv_path);
+  }
+  return ok;
+}
+#endif
+
 }  // namespace
 
 constexpr const char* kUsage =
     "usage: %s [check] [small] [--bench] [--bench-v3] [--bench-one|profile H T causal]\n"
-    "       [--bench-gqa] [--bench-gqa-one B T N K H causal]\n";
+    "       [--bench-gqa] [--bench-gqa-one B T N K H causal]\n"
+#ifdef JAX_FLASH_V3_BWD_TIMELINE
+    "       [--timeline H T causal [records.csv]]\n"
+#endif
+    ;
 
 int main(int argc, char** argv) {
   bool ok = true;
@@ -630,6 +921,27 @@ int main(int argc, char** argv) {
       ok &= bench_gqa({c}, 20);
     } else if (mode == "--bench-v3") {  // v2 timed only where it is today's path (H = 256)
       ok &= bench(grid_cases(), 10, 256);
+#ifdef JAX_FLASH_V3_BWD_TIMELINE
+    } else if (mode == "--timeline" && i + 3 < argc) {
+      // One grid config: H T causal, then optionally a path ending in .csv for the records.
+      const int64_t h = std::atoll(argv[i + 1]), t = std::atoll(argv[i + 2]);
+      const bool causal = std::atoi(argv[i + 3]) != 0;
+      i += 3;
+      const char* csv = nullptr;
+      if (i + 1 < argc) {
+        const std::string next = argv[i + 1];
+        if (next.size() > 4 && next.compare(next.size() - 4, 4, ".csv") == 0) csv = argv[++i];
+      }
+      const std::vector<Case> grid = grid_cases();
+      const auto c = std::find_if(grid.begin(), grid.end(), [&](const Case& g) {
+        return g.H == h && g.T == t && g.causal == causal;
+      });
+      if (c == grid.end()) {
+        std::fprintf(stderr, "no grid config H=%ld T=%ld causal=%d\n", long(h), long(t), causal);
+        return 2;
+      }
+      ok &= timeline(*c, csv);
+#endif
     } else if ((mode == "--bench-one" || mode == "profile") && i + 3 < argc) {
       // One grid config: H T causal. profile: two plain v3 backward runs (for ncu).
       const int64_t h = std::atoll(argv[i + 1]), t = std::atoll(argv[i + 2]);
