@@ -623,30 +623,6 @@ __device__ __forceinline__ void capped_probabilities_and_gradients(
   }
 }
 
-// dS^T (or P^T) fragments -> shared memory, keys as rows, queries in 64-column slabs of
-// 128-byte rows (the 128-byte swizzle: 16-byte chunk c of row r lands at chunk c ^ (r % 8)),
-// the fragments' queries from query column column0 on. One stmatrix.x4 per 16 columns:
-// fragment register j is the 8 x 8 matrix of rows + 8 (j % 2), columns + 8 (j / 2), and lane
-// l gives the address of row l % 8 of matrix l / 8; each matrix's 8 rows land in 8 distinct
-// 16-byte bank groups.
-template <class Cfg>
-__device__ __forceinline__ void store_score_gradients(uint32_t ds_tile, int warp_row0,
-                                                      int column0, int lane_in_warp,
-                                                      const uint32_t (&a)[Cfg::kScoreCols / 16][4]) {
-  const int matrix = lane_in_warp / 8;
-  const int row = warp_row0 + 8 * (matrix % 2) + lane_in_warp % 8;
-#pragma unroll
-  for (int kk = 0; kk < Cfg::kScoreCols / 16; ++kk) {
-    const int column = column0 + 16 * kk + 8 * (matrix / 2);
-    const int slab = column / 64, chunk = (column % 64) / 8;
-    const uint32_t dst =
-        ds_tile + slab * Cfg::kBlockN * 128 + row * 128 + ((chunk ^ (row % 8)) * 16);
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(dst),
-                 "r"(a[kk][0]), "r"(a[kk][1]), "r"(a[kk][2]), "r"(a[kk][3])
-                 : "memory");
-  }
-}
-
 __device__ __forceinline__ void red_add_v4(float* address, float a, float b, float c, float d) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(address), "f"(a), "f"(b),
                "f"(c), "f"(d)
@@ -946,10 +922,13 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     if constexpr (kRole == DqRole::kHelper)
       named_barrier_sync(kDsFreeBarrier + buffer, kConsumerThreads);
     // The generic-proxy stores must be fenced before the tensor cores (async proxy) read them.
-    store_score_gradients<Cfg>(ds_tile, key_row0 + 16 * (thread / 32), query_col0, thread % 32,
-                               dsa);
+    // dS^T (P^T) -> shared memory, keys as rows, queries in 64-column slabs (the K-major layout
+    // of the dK GEMM's A and the MN-major layout of the dQ GEMM's A).
+    store_fragments_swizzled(ds_tile, Cfg::kBlockN * 128, key_row0 + 16 * (thread / 32),
+                             query_col0, thread % 32, dsa);
     if constexpr (kSplit)
-      store_score_gradients<Cfg>(p_tile, 16 * (thread / 32), query_col0, thread % 32, pa);
+      store_fragments_swizzled(p_tile, Cfg::kBlockN * 128, 16 * (thread / 32), query_col0,
+                               thread % 32, pa);
     fence_proxy_async_shared();
     if constexpr (kRole == DqRole::kHelper) {
       named_barrier_arrive(kDsReadyBarrier + buffer, kConsumerThreads);
