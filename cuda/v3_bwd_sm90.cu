@@ -54,7 +54,10 @@
 //        descending key block order by a semaphore per block (each element gets its partials
 //        added in the same order every run; see dq_turn); dK / dV are always deterministic
 //        (one CTA owns them).
-//        Epilogue: dK = scale * dK, dV stored from registers (4-byte stores).
+//        Epilogue (store_key_gradients): dK = scale * dK and dV converted and written over the
+//        warpgroup's own rows of the K and V tiles in shared memory (free by then, see
+//        run_consumer), then stored by one thread per warpgroup with TMA (GQA schedule with a
+//        split: fp32 partials from registers).
 //   3. postprocess (one CTA per 64 query rows of a (batch, head)): dq = scale * dq_accum,
 //      transposed through shared memory into 16-byte stores of whole rows.
 //   4. GQA schedule with a split only: dk = scale * sum of the dK partials, dv = sum of the
@@ -115,6 +118,10 @@ constexpr int kRowPad = 128;
 // dq_accum stores 64 x 64 tiles; 4096 floats each.
 constexpr int kDqTileRows = 64;
 constexpr int kDqTileFloats = 64 * 64;
+
+// The key rows of one consumer warpgroup's dK / dV (64 at every head dim: its half of a 128-key
+// block, or all of a 64-key one), stored by TMA in one box of this many rows per 64-column slab.
+constexpr int kKeyGradBoxRows = 64;
 
 int64_t padded_rows(int64_t q_len) { return (q_len + kRowPad - 1) / kRowPad * kRowPad; }
 
@@ -202,6 +209,8 @@ struct BwdConfig {
   // Head dim 256: the P^T / dS^T tiles are one 64-query slab, and each warpgroup's queries
   // are whole 16-query k-steps of it.
   static_assert(!kSplitHeadDim || (kBlockM == 64 && kBlockN == 64));
+  // A consumer warpgroup's dK / dV rows are one TMA store box (store_key_gradients).
+  static_assert(kBlockN == kKeyGradBoxRows * (kSplitHeadDim ? 1 : kConsumerWarpgroups));
 };
 
 // The mbarriers at kBarrierOffset: K+V loaded; per stage Q+lse full, dO+D full, stage empty.
@@ -216,6 +225,10 @@ struct BwdBarriers {
 
 struct BwdParams {
   CUtensorMap tma_q, tma_k, tma_v, tma_do;
+  // dk, dv as TMA store targets (store_key_gradients): boxes of 64 columns x 64 key rows (one
+  // consumer warpgroup's keys), 128-byte swizzle like tma_k / tma_v. The GQA schedule's fp32
+  // partials (kv_split > 1) are stored from registers and do not use them.
+  CUtensorMap tma_dk, tma_dv;
   void* dk;
   void* dv;
   float* dq_accum;
@@ -417,6 +430,9 @@ __device__ void run_producer(const BwdParams& p, const KeyBlock& kb, int head0, 
                              const BwdBarriers& bars) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_q)));
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_do)));
+  // For the consumers' dK / dV stores at the end (the kernel's only use of these two).
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_dk)));
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_dv)));
   if (kb.steps == 0) return;
   mbarrier_arrive_expect_tx(bars.kv_full, 2 * Cfg::kKVBytes);
   tma_load_tile<Cfg::kSlabs, Cfg::kBlockN>(&p.tma_k, smem + Cfg::kKOffset, bars.kv_full,
@@ -675,6 +691,7 @@ constexpr int kDsReadyBarrier = 1;  // + buffer: the dS^T of the buffer's step i
 constexpr int kDsFreeBarrier = 3;   // + buffer: the owner's dQ GEMM has read the buffer
 constexpr int kDqOrderBarrier = 5;  // deterministic mode: this block's turn to add dQ
 constexpr int kDqStagedBarrier = 6;  // + warpgroup: its dQ tiles are staged (128 threads)
+constexpr int kKeyGradStagedBarrier = 8;  // + warpgroup: its dK / dV are staged (128 threads)
 constexpr int kConsumerThreads = 256;
 
 __device__ __forceinline__ int load_acquire(const int* address) {
@@ -759,31 +776,59 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, c
   }
 }
 
-// dK = scale * acc (scale = 1 for dV) for this thread's two key rows (columns from col0 on:
-// the warpgroup's first column + the lane's); rows past kv_len skipped.
+// The epilogue of the default grid (and of the GQA schedule without a split): dK = scale * dK
+// and dV, this warpgroup's 64 key rows (key_row0: its first row in the block) x kGradCols
+// head-dim columns (from grad_col0), converted and written with stmatrix over the same rows and
+// columns of the K and V tiles in shared memory (the layout TMA loaded them in: 64-column slabs of
+// 128-byte swizzled rows), then stored by thread 0 of the warpgroup with one TMA store per slab
+// and tensor (tma_dk / tma_dv; TMA leaves out the rows past kv_len). That thread waits only until
+// the stores have read shared memory (the CTA must not exit before); the global writes complete
+// on their own. Before: 4-byte stores straight from the accumulator layout, 3.9 us per CTA at
+// H = 128 (docs/perf-notes-v3.md, timeline). The caller guarantees that no GEMM reads those K /
+// V rows and columns any more (run_consumer, at the call).
 template <class Cfg>
-__device__ __forceinline__ void store_key_gradient(const BwdParams& p, void* dst,
-                                                   const KeyBlock& kb, int key0, int col0,
-                                                   const float (&acc)[Cfg::kGradCols / 2],
-                                                   float scale) {
+__device__ __forceinline__ void store_key_gradients(const BwdParams& p, const KeyBlock& kb,
+                                                    uint32_t smem, int warpgroup, int thread,
+                                                    int key_row0, int grad_col0,
+                                                    float (&dk)[Cfg::kGradCols / 2],
+                                                    const float (&dv)[Cfg::kGradCols / 2]) {
   using Element = typename Cfg::Element;
+  constexpr int kSteps = Cfg::kGradCols / 16;
+  constexpr uint32_t kSlabBytes = Cfg::kBlockN * 128;
+  const uint32_t k_tile = smem + Cfg::kKOffset, v_tile = smem + Cfg::kVOffset;
+  const int warp_row0 = key_row0 + 16 * (thread / 32);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = key0 + 8 * r;
-    if (key >= p.kv_len) continue;
-    Element* row = static_cast<Element*>(dst) +
-                   ((int64_t(kb.batch) * p.kv_len + key) * p.num_kv_heads + kb.kv_head) *
-                       Cfg::kHeadDim;
+  for (int i = 0; i < Cfg::kGradCols / 2; ++i) dk[i] *= p.scale;
+  {
+    uint32_t a[kSteps][4];
+    accumulator_to_fragments<Element>(dk, a);
+    store_fragments_swizzled(k_tile, kSlabBytes, warp_row0, grad_col0, thread % 32, a);
+  }
+  {
+    uint32_t a[kSteps][4];
+    accumulator_to_fragments<Element>(dv, a);
+    store_fragments_swizzled(v_tile, kSlabBytes, warp_row0, grad_col0, thread % 32, a);
+  }
+  fence_proxy_async_shared();  // the generic-proxy stores, before TMA (async proxy) reads them
+  named_barrier_sync(kKeyGradStagedBarrier + warpgroup, 128);
+  const int key_lo = kb.n_block * Cfg::kBlockN + key_row0;
+  if (thread == 0 && key_lo < p.kv_len) {
 #pragma unroll
-    for (int c = 0; c < Cfg::kGradCols / 8; ++c) {
-      *reinterpret_cast<uint32_t*>(row + 8 * c + col0) =
-          pack2<Element>(acc[4 * c + 2 * r] * scale, acc[4 * c + 2 * r + 1] * scale);
+    for (int s = 0; s < Cfg::kGradCols / 64; ++s) {
+      const int slab = grad_col0 / 64 + s;
+      const uint32_t rows = slab * kSlabBytes + key_row0 * 128;
+      tma_store_box(&p.tma_dk, k_tile + rows, 64 * slab, key_lo, kb.kv_head, kb.batch);
+      tma_store_box(&p.tma_dv, v_tile + rows, 64 * slab, key_lo, kb.kv_head, kb.batch);
     }
+    bulk_commit();
+    bulk_wait_reads();
   }
 }
 
-// store_key_gradient's rows and columns, unscaled fp32 into a dkv_partial slot (same row
-// layout as dk / dv: [B, kv_len, K, H]), 8-byte stores.
+// The GQA schedule's split epilogue: this thread's two key rows (from key0) and the warpgroup's
+// columns (from col0: its first column + the lane's), unscaled fp32 into a dkv_partial slot (same
+// row layout as dk / dv: [B, kv_len, K, H]), 8-byte stores from the accumulator layout; rows past
+// kv_len skipped.
 template <class Cfg>
 __device__ __forceinline__ void store_key_gradient_partial(const BwdParams& p, float* slot,
                                                            const KeyBlock& kb, int key0, int col0,
@@ -989,6 +1034,22 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     zero(dk);
     zero(dv);
   }
+  // store_key_gradients overwrites this warpgroup's rows / columns of the K and V tiles. Nothing
+  // reads them any more here (K and V are loaded once, before the first step; the producer
+  // touches them no more; with no steps nothing loaded or read them):
+  //   head dims 64 / 128 (rows [key_row0, key_row0 + 64), all columns): V rows only by this
+  //     warpgroup's dP^T GEMMs, K rows by its S^T GEMMs and by the owner's dQ GEMMs (which read
+  //     all kBlockN keys): this warpgroup's own GEMMs are complete after the wgmma_wait<0>
+  //     above, and the owner's dQ GEMM of each step completes before its arrival on that step's
+  //     dS free barrier, the last two of which the helper took after its loop (above): so the
+  //     helper's K rows are free too, and the owner's K rows are read by no helper GEMM.
+  //   head dim 256 (all 64 rows, columns [grad_col0, grad_col0 + 128): K / V slabs 2w, 2w + 1):
+  //     the S^T and dP^T GEMMs of both warpgroups read every slab of K and V; each warpgroup
+  //     completes its own (wgmma_wait<0>) before the step's two-way dS barrier, so after the
+  //     last step's barrier no S^T / dP^T GEMM is pending in either warpgroup. What remains is
+  //     each warpgroup's dQ GEMM, which reads its own K slabs only (issue_dq at dq_slab): this
+  //     warpgroup's, complete after the wgmma_wait<0>; the other's, disjoint from these.
+  // So no barrier between the two warpgroups is needed: each stores its part when it is done.
   if constexpr (kGqa) {
     KeyBlock out = kb;  // the real kv head and the split, from the virtual kv head
     out.kv_head = kb.kv_head >> p.kv_split_log2;
@@ -999,13 +1060,11 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
       store_key_gradient_partial<Cfg>(p, p.dkv_partial + (p.kv_split + split) * p.dkv_slot_elems,
                                       out, key0, lane.col0 + grad_col0, dv);
     } else {
-      store_key_gradient<Cfg>(p, p.dk, out, key0, lane.col0 + grad_col0, dk, p.scale);
-      store_key_gradient<Cfg>(p, p.dv, out, key0, lane.col0 + grad_col0, dv, 1.f);
+      store_key_gradients<Cfg>(p, out, smem, warpgroup, thread, key_row0, grad_col0, dk, dv);
     }
     return;
   }
-  store_key_gradient<Cfg>(p, p.dk, kb, key0, lane.col0 + grad_col0, dk, p.scale);
-  store_key_gradient<Cfg>(p, p.dv, kb, key0, lane.col0 + grad_col0, dv, 1.f);
+  store_key_gradients<Cfg>(p, kb, smem, warpgroup, thread, key_row0, grad_col0, dk, dv);
 }
 
 template <class Cfg, bool kGqa>
@@ -1416,7 +1475,11 @@ cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bo
       !encode_tensor_map(&p.tma_k, a.fwd.k, a.fwd.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
                          sh.head_dim, Cfg::kBlockN) ||
       !encode_tensor_map(&p.tma_v, a.fwd.v, a.fwd.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
-                         sh.head_dim, Cfg::kBlockN)) {
+                         sh.head_dim, Cfg::kBlockN) ||
+      !encode_tensor_map(&p.tma_dk, a.dk, a.fwd.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
+                         sh.head_dim, kKeyGradBoxRows) ||
+      !encode_tensor_map(&p.tma_dv, a.dv, a.fwd.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
+                         sh.head_dim, kKeyGradBoxRows)) {
     return cudaErrorInvalidValue;
   }
   p.dk = a.dk;
@@ -1550,10 +1613,12 @@ const char* V3BackwardUnsupportedReason(const BackwardArgs& a) {
   if (a.fwd.bias.data != nullptr || a.dbias != nullptr)
     return "v3 backward does not take a bias tensor";
   if (a.fwd.mask.data != nullptr) return "v3 backward does not take a mask tensor";
-  // Pre- and postprocessing move out, dout and dq in 16-byte pieces (TMA reads dout too).
+  // Pre- and postprocessing move out, dout and dq in 16-byte pieces (TMA reads dout too); TMA
+  // stores dk and dv (tensor maps need 16-byte-aligned addresses).
   if ((reinterpret_cast<uintptr_t>(a.fwd.out) | reinterpret_cast<uintptr_t>(a.dout) |
-       reinterpret_cast<uintptr_t>(a.dq)) % 16 != 0)
-    return "v3 backward needs 16-byte-aligned out, dout and dq";
+       reinterpret_cast<uintptr_t>(a.dq) | reinterpret_cast<uintptr_t>(a.dk) |
+       reinterpret_cast<uintptr_t>(a.dv)) % 16 != 0)
+    return "v3 backward needs 16-byte-aligned out, dout, dq, dk and dv";
   if (!(a.fwd.spec.scale > 0.f)) return "v3 backward needs scale > 0";
   if (sh.num_kv_heads <= 0 || sh.num_heads % sh.num_kv_heads != 0)
     return "query heads must be a multiple of kv heads";
