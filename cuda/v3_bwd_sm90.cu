@@ -54,10 +54,10 @@
 //        descending key block order by a semaphore per block (each element gets its partials
 //        added in the same order every run; see dq_turn); dK / dV are always deterministic
 //        (one CTA owns them).
-//        Epilogue (store_key_gradients): dK = scale * dK and dV converted and written over the
+//        Epilogue (write_key_gradients): dK = scale * dK and dV converted and written over the
 //        warpgroup's own rows of the K and V tiles in shared memory (free by then, see
-//        run_consumer), then stored by one thread per warpgroup with TMA (GQA schedule with a
-//        split: fp32 partials from registers).
+//        run_consumer), then stored by one thread per warpgroup with TMA; head dim 256 stores
+//        from registers, as does the GQA schedule with a split (fp32 partials).
 //   3. postprocess (one CTA per 64 query rows of a (batch, head)): dq = scale * dq_accum,
 //      transposed through shared memory into 16-byte stores of whole rows.
 //   4. GQA schedule with a split only: dk = scale * sum of the dK partials, dv = sum of the
@@ -102,6 +102,7 @@
 #include <functional>
 #include <mutex>
 #include <queue>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -210,7 +211,7 @@ struct BwdConfig {
   // are whole 16-query k-steps of it.
   static_assert(!kSplitHeadDim || (kBlockM == 64 && kBlockN == 64));
   // A consumer warpgroup's dK / dV rows are one TMA store box (store_key_gradients).
-  static_assert(kBlockN == kKeyGradBoxRows * (kSplitHeadDim ? 1 : kConsumerWarpgroups));
+  static_assert(kSplitHeadDim || kBlockN == kKeyGradBoxRows * kConsumerWarpgroups);
 };
 
 // The mbarriers at kBarrierOffset: K+V loaded; per stage Q+lse full, dO+D full, stage empty.
@@ -226,8 +227,8 @@ struct BwdBarriers {
 struct BwdParams {
   CUtensorMap tma_q, tma_k, tma_v, tma_do;
   // dk, dv as TMA store targets (store_key_gradients): boxes of 64 columns x 64 key rows (one
-  // consumer warpgroup's keys), 128-byte swizzle like tma_k / tma_v. The GQA schedule's fp32
-  // partials (kv_split > 1) are stored from registers and do not use them.
+  // consumer warpgroup's keys), 128-byte swizzle like tma_k / tma_v; head dims 64 / 128 only.
+  // The GQA schedule's fp32 partials (kv_split > 1) are stored from registers.
   CUtensorMap tma_dk, tma_dv;
   void* dk;
   void* dv;
@@ -430,9 +431,11 @@ __device__ void run_producer(const BwdParams& p, const KeyBlock& kb, int head0, 
                              const BwdBarriers& bars) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_q)));
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_do)));
-  // For the consumers' dK / dV stores at the end (the kernel's only use of these two).
-  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_dk)));
-  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_dv)));
+  if constexpr (!Cfg::kSplitHeadDim) {
+    // For the consumers' dK / dV stores at the end (the kernel's only use of these two).
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_dk)));
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_dv)));
+  }
   if (kb.steps == 0) return;
   mbarrier_arrive_expect_tx(bars.kv_full, 2 * Cfg::kKVBytes);
   tma_load_tile<Cfg::kSlabs, Cfg::kBlockN>(&p.tma_k, smem + Cfg::kKOffset, bars.kv_full,
@@ -825,25 +828,51 @@ __device__ __forceinline__ void store_key_gradients(const BwdParams& p, const Ke
   }
 }
 
-// The GQA schedule's split epilogue: this thread's two key rows (from key0) and the warpgroup's
-// columns (from col0: its first column + the lane's), unscaled fp32 into a dkv_partial slot (same
-// row layout as dk / dv: [B, kv_len, K, H]), 8-byte stores from the accumulator layout; rows past
-// kv_len skipped.
-template <class Cfg>
-__device__ __forceinline__ void store_key_gradient_partial(const BwdParams& p, float* slot,
-                                                           const KeyBlock& kb, int key0, int col0,
-                                                           const float (&acc)[Cfg::kGradCols / 2]) {
+// dK or dV straight from the accumulator layout: this thread's two key rows (from key0) and
+// the warpgroup's columns (from col0: its first column + the lane's) of acc * scale into rows of
+// [B, kv_len, K, H] at dst; rows past kv_len skipped. Out = Element: converted, 4-byte stores
+// of pairs (head dim 256's epilogue, see write_key_gradients); Out = float: the GQA schedule's
+// unscaled fp32 partials (a dkv_partial slot), 8-byte stores.
+template <class Cfg, typename Out>
+__device__ __forceinline__ void store_key_gradient_rows(const BwdParams& p, Out* dst,
+                                                        const KeyBlock& kb, int key0, int col0,
+                                                        const float (&acc)[Cfg::kGradCols / 2],
+                                                        float scale) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = key0 + 8 * r;
     if (key >= p.kv_len) continue;
-    float* row =
-        slot + ((int64_t(kb.batch) * p.kv_len + key) * p.num_kv_heads + kb.kv_head) * Cfg::kHeadDim;
+    Out* row = dst + ((int64_t(kb.batch) * p.kv_len + key) * p.num_kv_heads + kb.kv_head) *
+                         Cfg::kHeadDim;
 #pragma unroll
     for (int c = 0; c < Cfg::kGradCols / 8; ++c) {
-      *reinterpret_cast<float2*>(row + 8 * c + col0) =
-          make_float2(acc[4 * c + 2 * r], acc[4 * c + 2 * r + 1]);
+      const float x = acc[4 * c + 2 * r] * scale, y = acc[4 * c + 2 * r + 1] * scale;
+      if constexpr (std::is_same_v<Out, float>) {
+        *reinterpret_cast<float2*>(row + 8 * c + col0) = make_float2(x, y);
+      } else {
+        *reinterpret_cast<uint32_t*>(row + 8 * c + col0) = pack2<Out>(x, y);
+      }
     }
+  }
+}
+
+// The dK / dV epilogue of the default grid and of the GQA schedule without a split. Head dims
+// 64 / 128 stage through shared memory and store by TMA (store_key_gradients). Head dim 256
+// keeps the register stores: with the staged epilogue ptxas scheduled its main loop
+// differently and the backward ran 4.5-5% slower at T = 4096 (1.3% faster at T = 1024;
+// docs/perf-notes-v3.md, "TMA-stored dK / dV epilogue, device results").
+template <class Cfg>
+__device__ __forceinline__ void write_key_gradients(const BwdParams& p, const KeyBlock& kb,
+                                                    uint32_t smem, int warpgroup, int thread,
+                                                    int key_row0, int key0, int grad_col0,
+                                                    int col0, float (&dk)[Cfg::kGradCols / 2],
+                                                    const float (&dv)[Cfg::kGradCols / 2]) {
+  using Element = typename Cfg::Element;
+  if constexpr (Cfg::kSplitHeadDim) {
+    store_key_gradient_rows<Cfg>(p, static_cast<Element*>(p.dk), kb, key0, col0, dk, p.scale);
+    store_key_gradient_rows<Cfg>(p, static_cast<Element*>(p.dv), kb, key0, col0, dv, 1.f);
+  } else {
+    store_key_gradients<Cfg>(p, kb, smem, warpgroup, thread, key_row0, grad_col0, dk, dv);
   }
 }
 
@@ -1034,37 +1063,32 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     zero(dk);
     zero(dv);
   }
-  // store_key_gradients overwrites this warpgroup's rows / columns of the K and V tiles. Nothing
-  // reads them any more here (K and V are loaded once, before the first step; the producer
-  // touches them no more; with no steps nothing loaded or read them):
-  //   head dims 64 / 128 (rows [key_row0, key_row0 + 64), all columns): V rows only by this
-  //     warpgroup's dP^T GEMMs, K rows by its S^T GEMMs and by the owner's dQ GEMMs (which read
-  //     all kBlockN keys): this warpgroup's own GEMMs are complete after the wgmma_wait<0>
-  //     above, and the owner's dQ GEMM of each step completes before its arrival on that step's
-  //     dS free barrier, the last two of which the helper took after its loop (above): so the
-  //     helper's K rows are free too, and the owner's K rows are read by no helper GEMM.
-  //   head dim 256 (all 64 rows, columns [grad_col0, grad_col0 + 128): K / V slabs 2w, 2w + 1):
-  //     the S^T and dP^T GEMMs of both warpgroups read every slab of K and V; each warpgroup
-  //     completes its own (wgmma_wait<0>) before the step's two-way dS barrier, so after the
-  //     last step's barrier no S^T / dP^T GEMM is pending in either warpgroup. What remains is
-  //     each warpgroup's dQ GEMM, which reads its own K slabs only (issue_dq at dq_slab): this
-  //     warpgroup's, complete after the wgmma_wait<0>; the other's, disjoint from these.
-  // So no barrier between the two warpgroups is needed: each stores its part when it is done.
+  // At head dims 64 / 128 store_key_gradients overwrites this warpgroup's rows [key_row0,
+  // key_row0 + 64) of the K and V tiles. Nothing reads them any more here (K and V are loaded
+  // once, before the first step; the producer touches them no more; with no steps nothing loaded
+  // or read them): V rows only by this warpgroup's dP^T GEMMs, K rows by its S^T GEMMs and by the
+  // owner's dQ GEMMs (which read all kBlockN keys): this warpgroup's own GEMMs are complete after
+  // the wgmma_wait<0> above, and the owner's dQ GEMM of each step completes before its arrival
+  // on that step's dS free barrier, the last two of which the helper took after its loop
+  // (above): so the helper's K rows are free too, and the owner's K rows are read by no helper
+  // GEMM. So no barrier between the two warpgroups is needed: each stores its part when done.
   if constexpr (kGqa) {
     KeyBlock out = kb;  // the real kv head and the split, from the virtual kv head
     out.kv_head = kb.kv_head >> p.kv_split_log2;
     const int split = kb.kv_head & (p.kv_split - 1);
     if (p.kv_split > 1) {  // partials, summed and converted by v3_backward_dkv_reduce_kernel
-      store_key_gradient_partial<Cfg>(p, p.dkv_partial + split * p.dkv_slot_elems, out, key0,
-                                      lane.col0 + grad_col0, dk);
-      store_key_gradient_partial<Cfg>(p, p.dkv_partial + (p.kv_split + split) * p.dkv_slot_elems,
-                                      out, key0, lane.col0 + grad_col0, dv);
+      store_key_gradient_rows<Cfg>(p, p.dkv_partial + split * p.dkv_slot_elems, out, key0,
+                                   lane.col0 + grad_col0, dk, 1.f);
+      store_key_gradient_rows<Cfg>(p, p.dkv_partial + (p.kv_split + split) * p.dkv_slot_elems,
+                                   out, key0, lane.col0 + grad_col0, dv, 1.f);
     } else {
-      store_key_gradients<Cfg>(p, out, smem, warpgroup, thread, key_row0, grad_col0, dk, dv);
+      write_key_gradients<Cfg>(p, out, smem, warpgroup, thread, key_row0, key0, grad_col0,
+                               lane.col0 + grad_col0, dk, dv);
     }
     return;
   }
-  store_key_gradients<Cfg>(p, kb, smem, warpgroup, thread, key_row0, grad_col0, dk, dv);
+  write_key_gradients<Cfg>(p, kb, smem, warpgroup, thread, key_row0, key0, grad_col0,
+                           lane.col0 + grad_col0, dk, dv);
 }
 
 template <class Cfg, bool kGqa>
@@ -1476,10 +1500,11 @@ cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bo
                          sh.head_dim, Cfg::kBlockN) ||
       !encode_tensor_map(&p.tma_v, a.fwd.v, a.fwd.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
                          sh.head_dim, Cfg::kBlockN) ||
-      !encode_tensor_map(&p.tma_dk, a.dk, a.fwd.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
-                         sh.head_dim, kKeyGradBoxRows) ||
-      !encode_tensor_map(&p.tma_dv, a.dv, a.fwd.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
-                         sh.head_dim, kKeyGradBoxRows)) {
+      (!Cfg::kSplitHeadDim &&  // head dim 256 stores dK / dV from registers
+       (!encode_tensor_map(&p.tma_dk, a.dk, a.fwd.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
+                           sh.head_dim, kKeyGradBoxRows) ||
+        !encode_tensor_map(&p.tma_dv, a.dv, a.fwd.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
+                           sh.head_dim, kKeyGradBoxRows)))) {
     return cudaErrorInvalidValue;
   }
   p.dk = a.dk;
