@@ -103,6 +103,9 @@
 #include <vector>
 
 #include "hopper.cuh"
+#ifdef JAX_FLASH_V3_BWD_TIMELINE
+#include "timeline.cuh"
+#endif
 
 namespace jax_flash {
 namespace {
@@ -269,54 +272,22 @@ struct DqAccum {
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
 namespace tl = v3_bwd_timeline;
 
-// This CTA's records (null: not recording), set by thread 0 before the kernel's __syncthreads.
-// Kept in shared memory and loaded at each stamp: held in registers, the compiler kept the
-// address live over the consumer loop and the H = 64 consumers spilled (nvcc 13.0); computed
-// from %ctaid at each stamp, the H = 128 helper spilled in its loop.
-__shared__ uint64_t* timeline_cta_records;
-
-__device__ __forceinline__ void timeline_set_cta_records(const BwdParams& p, bool record) {
-  if (!record) return;
-  const uint32_t cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  timeline_cta_records =
-      p.timeline != nullptr ? p.timeline + 2 * int64_t(cta) * tl::kEvents : nullptr;
-}
-
-// Every thread that comes here reads both timers and only `record` stores them (predicated, not
-// branched: a divergent branch while wgmmas are in flight makes ptxas serialize them, C7520).
-// The memory clobber keeps the stamp after the stores that precede it in program order.
-__device__ __forceinline__ void timeline_record(int event, bool record) {
-  asm volatile(
-      "{\n .reg .pred p, q;\n .reg .u64 a, t, c;\n"
-      " mov.u64 t, %%globaltimer;\n mov.u64 c, %%clock64;\n"
-      " ld.shared.u64 a, [%0];\n setp.ne.u32 p, %2, 0;\n setp.ne.u64 q, a, 0;\n"
-      " and.pred p, p, q;\n add.u64 a, a, %1;\n"
-      " @p st.global.v2.u64 [a], {t, c};\n}" ::"r"(smem_address(&timeline_cta_records)),
-      "l"(int64_t(16) * event), "r"(uint32_t(record))
-      : "memory");
-}
-
 // Step `it` of `steps` is traced when it is among the first 3 or the last kTracedSteps - 3;
 // the branch is uniform over the CTA.
 __device__ __forceinline__ void timeline_record_step(int event0, int it, int steps, bool record) {
   const int left = steps - it;  // 1 at the last step
   const int slot = it < 3 ? it : left <= tl::kTracedSteps - 3 ? tl::kTracedSteps - left : -1;
-  if (slot >= 0) timeline_record(event0 + slot, record);
+  if (slot >= 0) timeline::stamp(event0 + slot, record);
 }
 
-__device__ __forceinline__ void timeline_record_cta_info(int steps, bool record) {
-  if (!record || timeline_cta_records == nullptr) return;
-  uint32_t smid;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-  *reinterpret_cast<ulonglong2*>(timeline_cta_records + 2 * tl::kCtaInfo) =
-      make_ulonglong2(smid, uint64_t(steps));
-}
-
-#define TIMELINE_START(p, record) timeline_set_cta_records(p, record)
-#define TIMELINE_EVENT(event, record) timeline_record(event, record)
+#define TIMELINE_START(p, record) \
+  do {                                                             \
+    if (record) timeline::set_cta_records(p.timeline, tl::kEvents); \
+  } while (0)
+#define TIMELINE_EVENT(event, record) timeline::stamp(event, record)
 #define TIMELINE_STEP_EVENT(event0, it, steps, record) \
   timeline_record_step(event0, it, steps, record)
-#define TIMELINE_CTA_INFO(steps, record) timeline_record_cta_info(steps, record)
+#define TIMELINE_CTA_INFO(steps, record) timeline::store_cta_info(tl::kCtaInfo, steps, record)
 // Event `e` of consumer warpgroup w (run_consumer's `warpgroup`: 0 or 1).
 #define TIMELINE_CONSUMER(w, e) (tl::kConsumer + (w) * tl::kConsumerEvents + tl::e)
 #else
