@@ -57,5 +57,17 @@ __device__ __forceinline__ void store_cta_info(int event, uint64_t count, bool r
   *reinterpret_cast<ulonglong2*>(cta_records + 2 * event) = make_ulonglong2(smid, count);
 }
 
+// Host: the record buffer a V3*SetTimeline call registered (null: none), checked against each
+// launch's CTA count.
+struct Buffer {
+  uint64_t* records = nullptr;
+  int64_t ctas = 0;
+  void set(uint64_t* buffer, int64_t buffer_ctas) {
+    records = buffer;
+    ctas = buffer != nullptr ? buffer_ctas : 0;
+  }
+  bool fits(int64_t launch_ctas) const { return records == nullptr || launch_ctas <= ctas; }
+};
+
 }  // namespace timeline
 }  // namespace jax_flash

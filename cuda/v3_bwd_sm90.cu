@@ -1381,11 +1381,7 @@ int choose_schedule(const AttentionShape& sh, const BwdParams& p, bool determini
 }
 
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
-struct TimelineBuffer {
-  uint64_t* records = nullptr;
-  int64_t ctas = 0;
-};
-TimelineBuffer timeline_buffer;  // V3BackwardSetTimeline
+timeline::Buffer timeline_buffer;  // V3BackwardSetTimeline
 #endif
 
 // The BwdParams fields of launch_main that choose_schedule reads (windows).
@@ -1430,8 +1426,7 @@ cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bo
   set_score_params(p, spec);
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
   const int64_t ctas = key_blocks(sh) * sh.num_kv_heads * std::max(split, 1) * sh.batch;
-  if (timeline_buffer.records != nullptr && ctas > timeline_buffer.ctas)
-    return cudaErrorInvalidValue;
+  if (!timeline_buffer.fits(ctas)) return cudaErrorInvalidValue;
   p.timeline = timeline_buffer.records;
 #endif
 
@@ -1529,7 +1524,7 @@ int V3BackwardMaxKvSplit(const AttentionShape& shape) { return workspace_kv_spli
 
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
 void V3BackwardSetTimeline(uint64_t* records, int64_t ctas) {
-  timeline_buffer = {records, records != nullptr ? ctas : 0};
+  timeline_buffer.set(records, ctas);
 }
 #endif
 

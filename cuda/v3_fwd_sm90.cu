@@ -954,11 +954,7 @@ struct DefaultTuning {
 constexpr int64_t kL2BudgetBytes = 24ll << 20;
 
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
-struct TimelineBuffer {
-  uint64_t* records = nullptr;
-  int64_t ctas = 0;
-};
-TimelineBuffer timeline_buffer;  // V3ForwardSetTimeline
+timeline::Buffer timeline_buffer;  // V3ForwardSetTimeline
 #endif
 
 template <class Cfg>
@@ -1003,8 +999,7 @@ cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const int grid = std::min(p.num_units, sm_count);
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
-  if (timeline_buffer.records != nullptr && grid > timeline_buffer.ctas)
-    return cudaErrorInvalidValue;
+  if (!timeline_buffer.fits(grid)) return cudaErrorInvalidValue;
   p.timeline = timeline_buffer.records;
 #endif
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
@@ -1108,7 +1103,7 @@ V3Tuning V3DefaultTuning(int64_t head_dim) {
 
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
 void V3ForwardSetTimeline(uint64_t* records, int64_t ctas) {
-  timeline_buffer = {records, records != nullptr ? ctas : 0};
+  timeline_buffer.set(records, ctas);
 }
 #endif
 

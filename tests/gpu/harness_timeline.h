@@ -1,7 +1,7 @@
 // Host side of the harnesses' --timeline modes (harness_v3.cu: the forward kernel,
 // harness_v3_bwd.cu: the backward main kernel): a CTA's records as cuda/timeline.cuh writes
-// them, spreads over CTAs, the globaltimer's step and the raw CSV. Included by the timeline
-// builds only.
+// them, the recorded run, spreads over CTAs, the globaltimer's step and the raw CSV. Included
+// by the timeline builds only, after harness_v3_case.h (median_event_ms, CUDA_CHECK).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -25,6 +25,38 @@ struct CtaRecords {
   // ns from event a to event b.
   double ns(int a, int b) const { return (double(clk(b)) - double(clk(a))) / cycles_per_ns; }
 };
+
+// A --timeline run: the timed launch with the stamps stored and with the timers read but not
+// stored (cudaEvent medians of 10, for the perturbation check against the default build), then
+// the records of one launch. set_timeline registers a record buffer for `ctas` CTAs (null: none);
+// before_recorded runs just before the recorded launch.
+struct RecordedRun {
+  double ms_stored = 0, ms_read = 0;
+  std::vector<uint64_t> records;
+};
+inline RecordedRun record_run(int64_t ctas, int events,
+                              const std::function<void(uint64_t*, int64_t)>& set_timeline,
+                              const std::function<void()>& launch,
+                              const std::function<void()>& before_recorded) {
+  const int64_t words = ctas * 2 * events;
+  uint64_t* records = nullptr;
+  CUDA_CHECK(cudaMalloc(&records, words * 8));
+  RecordedRun run;
+  set_timeline(records, ctas);
+  run.ms_stored = median_event_ms(launch, 3, 10);
+  set_timeline(nullptr, 0);
+  run.ms_read = median_event_ms(launch, 3, 10);
+  set_timeline(records, ctas);
+  CUDA_CHECK(cudaMemset(records, 0, words * 8));
+  before_recorded();
+  launch();
+  CUDA_CHECK(cudaDeviceSynchronize());
+  set_timeline(nullptr, 0);
+  run.records.resize(size_t(words));
+  CUDA_CHECK(cudaMemcpy(run.records.data(), records, words * 8, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaFree(records));
+  return run;
+}
 
 struct Spread {
   double p10 = NAN, p50 = NAN, p90 = NAN;

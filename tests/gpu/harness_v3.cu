@@ -403,16 +403,6 @@ bool bench(const std::vector<Case>& cases, int reps) {
   return all_ok;
 }
 
-// ---- grid config from the command line ------------------------------------------------------
-
-// The grid config (grid_cases) of head dim h, length t and causal flag; null when there is none.
-const Case* find_grid_case(const std::vector<Case>& grid, int64_t h, int64_t t, bool causal) {
-  for (const Case& g : grid)
-    if (g.H == h && g.T == t && g.causal == causal) return &g;
-  std::fprintf(stderr, "no grid config H=%ld T=%ld causal=%d\n", long(h), long(t), causal);
-  return nullptr;
-}
-
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
 // ---- --timeline: where a tile of the forward kernel spends its time -------------------------
 //
@@ -677,26 +667,14 @@ bool summarize_timeline(const Case& c, const std::vector<uint64_t>& host, int64_
 bool timeline(const Case& c, const char* csv_path, int sm_count) {
   Problem pb(c, 1);
   const int64_t ctas = sm_count;
-  const int64_t words = ctas * 2 * tl::kEvents;
-  uint64_t* records = nullptr;
-  CUDA_CHECK(cudaMalloc(&records, words * 8));
   const ForwardArgs a = pb.args();
-  const auto launch = [&] { CUDA_CHECK(jax_flash::V3Forward(a, 0)); };
-  // Perturbation check: the forward with the stamps stored, and with the timers read but not
-  // stored (compare both with the default build's harness_v3 --bench-one, `*` column).
-  jax_flash::V3ForwardSetTimeline(records, ctas);
-  const double ms_stored = median_event_ms(launch, 3, 10);
-  jax_flash::V3ForwardSetTimeline(nullptr, 0);
-  const double ms_read = median_event_ms(launch, 3, 10);
-  jax_flash::V3ForwardSetTimeline(records, ctas);
-  CUDA_CHECK(cudaMemset(records, 0, words * 8));
-  pb.poison();
-  launch();
-  CUDA_CHECK(cudaDeviceSynchronize());
-  jax_flash::V3ForwardSetTimeline(nullptr, 0);
-  std::vector<uint64_t> host(words);
-  CUDA_CHECK(cudaMemcpy(host.data(), records, words * 8, cudaMemcpyDeviceToHost));
-  CUDA_CHECK(cudaFree(records));
+  // Perturbation check: compare ms_stored and ms_read with the default build's harness_v3
+  // --bench-one (`*` column).
+  const harness::timeline::RecordedRun run = harness::timeline::record_run(
+      ctas, tl::kEvents, jax_flash::V3ForwardSetTimeline,
+      [&] { CUDA_CHECK(jax_flash::V3Forward(a, 0)); }, [&] { pb.poison(); });
+  const std::vector<uint64_t>& host = run.records;
+  const double ms_stored = run.ms_stored, ms_read = run.ms_read;
   pb.fetch();
   const std::vector<RowId> rows = sampled_rows(c, 96, 1);
   bool ok = report("timeline", c, compare_rows(pb, rows, reference_rows(pb, rows)), count_nan(pb),
@@ -747,24 +725,15 @@ int main(int argc, char** argv) {
     } else if (mode == "bench") {
       ok &= bench(grid, 10);
     } else if (mode == "--bench-one" && i + 3 < argc) {
-      const Case* c = find_grid_case(grid, std::atoll(argv[i + 1]), std::atoll(argv[i + 2]),
-                                     std::atoi(argv[i + 3]) != 0);
-      i += 3;
-      if (c == nullptr) return 2;
-      ok &= bench({*c}, 10);
+      Case c{};
+      if (!harness::grid_case_from_args(argv, i, &c)) return 2;
+      ok &= bench({c}, 10);
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
     } else if (mode == "--timeline" && i + 3 < argc) {
       // One grid config: H T causal, then optionally a path ending in .csv for the records.
-      const Case* c = find_grid_case(grid, std::atoll(argv[i + 1]), std::atoll(argv[i + 2]),
-                                     std::atoi(argv[i + 3]) != 0);
-      i += 3;
-      if (c == nullptr) return 2;
-      const char* csv = nullptr;
-      if (i + 1 < argc) {
-        const std::string next = argv[i + 1];
-        if (next.size() > 4 && next.compare(next.size() - 4, 4, ".csv") == 0) csv = argv[++i];
-      }
-      ok &= timeline(*c, csv, prop.multiProcessorCount);
+      Case c{};
+      if (!harness::grid_case_from_args(argv, i, &c)) return 2;
+      ok &= timeline(c, harness::csv_path_from_args(argc, argv, i), prop.multiProcessorCount);
 #endif
     } else {
       std::fprintf(stderr, kUsage, argv[0]);

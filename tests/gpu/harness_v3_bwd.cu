@@ -801,23 +801,13 @@ bool timeline(const Case& c, const char* csv_path) {
   Problem pb(c, 1);
   const int64_t block_keys = c.H > 128 ? 64 : 128;
   const int64_t ctas = (c.S + block_keys - 1) / block_keys * c.K * c.B;
-  const int64_t words = ctas * 2 * tl::kEvents;
-  uint64_t* records = device_alloc<uint64_t>(words);
-  const auto launch = [&] { CUDA_CHECK(pb.launch_v3_split(false, -1)); };
-  // Perturbation check: the whole backward with the stamps stored, and with the timers read
-  // but not stored (compare both with the default build's harness_v3_bwd --bench-one).
-  jax_flash::V3BackwardSetTimeline(records, ctas);
-  const double ms_stored = median_event_ms(launch, 3, 10);
-  jax_flash::V3BackwardSetTimeline(nullptr, 0);
-  const double ms_read = median_event_ms(launch, 3, 10);
-  jax_flash::V3BackwardSetTimeline(records, ctas);
-  CUDA_CHECK(cudaMemset(records, 0, words * 8));
-  launch();
-  CUDA_CHECK(cudaDeviceSynchronize());
-  jax_flash::V3BackwardSetTimeline(nullptr, 0);
-  std::vector<uint64_t> host(words);
-  CUDA_CHECK(cudaMemcpy(host.data(), records, words * 8, cudaMemcpyDeviceToHost));
-  CUDA_CHECK(cudaFree(records));
+  // Perturbation check: compare ms_stored and ms_read with the default build's harness_v3_bwd
+  // --bench-one.
+  const harness::timeline::RecordedRun run = harness::timeline::record_run(
+      ctas, tl::kEvents, jax_flash::V3BackwardSetTimeline,
+      [&] { CUDA_CHECK(pb.launch_v3_split(false, -1)); }, [] {});
+  const std::vector<uint64_t>& host = run.records;
+  const double ms_stored = run.ms_stored, ms_read = run.ms_read;
   std::printf("backward (pre + main + post, cudaEvent median of 10): %.3f ms stamps stored, "
               "%.3f ms timers read only\n",
               ms_stored, ms_read);
@@ -880,36 +870,15 @@ int main(int argc, char** argv) {
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
     } else if (mode == "--timeline" && i + 3 < argc) {
       // One grid config: H T causal, then optionally a path ending in .csv for the records.
-      const int64_t h = std::atoll(argv[i + 1]), t = std::atoll(argv[i + 2]);
-      const bool causal = std::atoi(argv[i + 3]) != 0;
-      i += 3;
-      const char* csv = nullptr;
-      if (i + 1 < argc) {
-        const std::string next = argv[i + 1];
-        if (next.size() > 4 && next.compare(next.size() - 4, 4, ".csv") == 0) csv = argv[++i];
-      }
-      const std::vector<Case> grid = grid_cases();
-      const auto c = std::find_if(grid.begin(), grid.end(), [&](const Case& g) {
-        return g.H == h && g.T == t && g.causal == causal;
-      });
-      if (c == grid.end()) {
-        std::fprintf(stderr, "no grid config H=%ld T=%ld causal=%d\n", long(h), long(t), causal);
-        return 2;
-      }
-      ok &= timeline(*c, csv);
+      Case c{};
+      if (!harness::grid_case_from_args(argv, i, &c)) return 2;
+      ok &= timeline(c, harness::csv_path_from_args(argc, argv, i));
 #endif
     } else if ((mode == "--bench-one" || mode == "profile") && i + 3 < argc) {
       // One grid config: H T causal. profile: two plain v3 backward runs (for ncu).
-      const int64_t h = std::atoll(argv[i + 1]), t = std::atoll(argv[i + 2]);
-      const bool causal = std::atoi(argv[i + 3]) != 0;
-      i += 3;
-      std::vector<Case> cs;
-      for (const Case& c : grid_cases())
-        if (c.H == h && c.T == t && c.causal == causal) cs.push_back(c);
-      if (cs.empty()) {
-        std::fprintf(stderr, "no grid config H=%ld T=%ld causal=%d\n", long(h), long(t), causal);
-        return 2;
-      }
+      Case c{};
+      if (!harness::grid_case_from_args(argv, i, &c)) return 2;
+      const std::vector<Case> cs{c};
       if (mode == "profile") {
         Problem pb(cs[0], 1);
         for (int r = 0; r < 2; ++r) CUDA_CHECK(pb.launch_v3(false));
