@@ -37,6 +37,56 @@ cudaError_t V3Forward(const ForwardArgs& args, cudaStream_t stream);
 // and otherwise this returns cudaErrorNotSupported.
 cudaError_t V3ForwardTuned(const ForwardArgs& args, const V3Tuning& tuning, cudaStream_t stream);
 
+#ifdef JAX_FLASH_V3_FWD_TIMELINE
+// ---- Timeline of the forward kernel (measurement builds only: -DJAX_FLASH_V3_FWD_TIMELINE;
+// tests/gpu/build_v3_timeline.sh, harness_v3 mode --timeline) ----
+// Each CTA of v3_forward_kernel writes kEvents records of two uint64 at
+// records + 2 * kEvents * blockIdx.x (cuda/timeline.cuh): timer records (%globaltimer ns,
+// %clock64) and value records. Events not reached keep what the caller stored there.
+namespace v3_fwd_timeline {
+// Consumer warpgroups: 2, or 3 for head dim 64's 192-row tile.
+constexpr int kMaxConsumers = 3;
+// A CTA runs n tiles (its non-empty ones, counted 0 .. n-1 in the order it runs them). Slots 0
+// and 1 hold tiles 0 and 1; tile k >= 2 goes to slot 2 + k % 2, overwriting tile k - 2, so that
+// slots 2 and 3 end up holding tiles n-2 and n-1 (the count need not be known in advance).
+constexpr int kTileSlots = 4;
+enum Event : int {
+  kCtaInfo = 0,   // value: (%smid, n)
+  kEntry,         // thread 0, after the __syncthreads that follows the mbarrier init
+  kConsumerExit,  // + w: consumer warpgroup w (0-based) done, its output stores completed
+  kTiles = kConsumerExit + kMaxConsumers,  // + slot * kTileEvents: the slot's tile
+};
+// Events of one tile.
+enum TileEvent : int {
+  kTileShape = 0,  // value: (m-block, key blocks)
+  kQIssued,        // producer: the Q load issued
+  kFirstKvIssued,  // producer: K and V of the tile's first key block (the last one) issued
+  kLastKvIssued,   // producer: K and V of its last key block issued
+  kConsumer,       // + w * kConsumerEvents: consumer warpgroup w, recorded by its thread 0
+};
+enum ConsumerEvent : int {
+  kQWait = 0,       // the tile starts: the wait for its Q begins
+  kQFull,           // that wait returned
+  kFirstTurn,       // the pingpong turn of the first S GEMM acquired
+  kFirstScores,     // the first S GEMM's wait returned
+  kFirstBlockDone,  // first key block done (with the previous tile's last PV and output, fused)
+  kLoopDone,        // every key block's S and softmax done; only the last PV is left
+  kLastPvTurn,      // the turn that issues the last PV acquired (fused: the next tile's first)
+  kLastPvDone,      // the last PV GEMM's wait returned (fused: and the next tile's block 0
+                    // softmax done, which ptxas orders before that wait)
+  kStored,          // output written: staged and its TMA store issued (head dim 256: stored)
+  kConsumerEvents,
+};
+constexpr int kTileEvents = kConsumer + kMaxConsumers * kConsumerEvents;
+constexpr int kEvents = kTiles + kTileSlots * kTileEvents;
+}  // namespace v3_fwd_timeline
+
+// From the next launch on, the forward kernel records into `records` (room for `ctas` CTAs,
+// 16 * kEvents bytes each, 16-byte aligned); null: no recording. A launch of more CTAs fails
+// with cudaErrorInvalidValue. Host state, not per stream.
+void V3ForwardSetTimeline(uint64_t* records, int64_t ctas);
+#endif
+
 // ---- Backward (cuda/v3_bwd_sm90.cu; FFI target jax_flash_v3_bwd in xla_ffi/gpu_v3.cc) ----
 // bf16 / fp16, head dims 64, 128 and 256, no bias or mask tensor (v2's backward serves those).
 

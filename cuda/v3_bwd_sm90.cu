@@ -107,6 +107,9 @@
 #include <vector>
 
 #include "hopper.cuh"
+#ifdef JAX_FLASH_V3_BWD_TIMELINE
+#include "timeline.cuh"
+#endif
 
 namespace jax_flash {
 namespace {
@@ -283,54 +286,22 @@ struct DqAccum {
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
 namespace tl = v3_bwd_timeline;
 
-// This CTA's records (null: not recording), set by thread 0 before the kernel's __syncthreads.
-// Kept in shared memory and loaded at each stamp: held in registers, the compiler kept the
-// address live over the consumer loop and the H = 64 consumers spilled (nvcc 13.0); computed
-// from %ctaid at each stamp, the H = 128 helper spilled in its loop.
-__shared__ uint64_t* timeline_cta_records;
-
-__device__ __forceinline__ void timeline_set_cta_records(const BwdParams& p, bool record) {
-  if (!record) return;
-  const uint32_t cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  timeline_cta_records =
-      p.timeline != nullptr ? p.timeline + 2 * int64_t(cta) * tl::kEvents : nullptr;
-}
-
-// Every thread that comes here reads both timers and only `record` stores them (predicated, not
-// branched: a divergent branch while wgmmas are in flight makes ptxas serialize them, C7520).
-// The memory clobber keeps the stamp after the stores that precede it in program order.
-__device__ __forceinline__ void timeline_record(int event, bool record) {
-  asm volatile(
-      "{\n .reg .pred p, q;\n .reg .u64 a, t, c;\n"
-      " mov.u64 t, %%globaltimer;\n mov.u64 c, %%clock64;\n"
-      " ld.shared.u64 a, [%0];\n setp.ne.u32 p, %2, 0;\n setp.ne.u64 q, a, 0;\n"
-      " and.pred p, p, q;\n add.u64 a, a, %1;\n"
-      " @p st.global.v2.u64 [a], {t, c};\n}" ::"r"(smem_address(&timeline_cta_records)),
-      "l"(int64_t(16) * event), "r"(uint32_t(record))
-      : "memory");
-}
-
 // Step `it` of `steps` is traced when it is among the first 3 or the last kTracedSteps - 3;
 // the branch is uniform over the CTA.
 __device__ __forceinline__ void timeline_record_step(int event0, int it, int steps, bool record) {
   const int left = steps - it;  // 1 at the last step
   const int slot = it < 3 ? it : left <= tl::kTracedSteps - 3 ? tl::kTracedSteps - left : -1;
-  if (slot >= 0) timeline_record(event0 + slot, record);
+  if (slot >= 0) timeline::stamp(event0 + slot, record);
 }
 
-__device__ __forceinline__ void timeline_record_cta_info(int steps, bool record) {
-  if (!record || timeline_cta_records == nullptr) return;
-  uint32_t smid;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-  *reinterpret_cast<ulonglong2*>(timeline_cta_records + 2 * tl::kCtaInfo) =
-      make_ulonglong2(smid, uint64_t(steps));
-}
-
-#define TIMELINE_START(p, record) timeline_set_cta_records(p, record)
-#define TIMELINE_EVENT(event, record) timeline_record(event, record)
+#define TIMELINE_START(p, record) \
+  do {                                                             \
+    if (record) timeline::set_cta_records(p.timeline, tl::kEvents); \
+  } while (0)
+#define TIMELINE_EVENT(event, record) timeline::stamp(event, record)
 #define TIMELINE_STEP_EVENT(event0, it, steps, record) \
   timeline_record_step(event0, it, steps, record)
-#define TIMELINE_CTA_INFO(steps, record) timeline_record_cta_info(steps, record)
+#define TIMELINE_CTA_INFO(steps, record) timeline::store_cta_info(tl::kCtaInfo, steps, record)
 // Event `e` of consumer warpgroup w (run_consumer's `warpgroup`: 0 or 1).
 #define TIMELINE_CONSUMER(w, e) (tl::kConsumer + (w) * tl::kConsumerEvents + tl::e)
 #else
@@ -343,6 +314,19 @@ __device__ __forceinline__ void timeline_record_cta_info(int steps, bool record)
 // ------------------------------------------------------------------------------------------
 // Which query blocks a key block visits
 // ------------------------------------------------------------------------------------------
+
+// The query blocks [*begin, *end) of block_m rows that hold a row (< q_rows) keeping a key of
+// [c0, c1] under the windows (-1: unbounded); empty when there is none. The kernel's key blocks
+// (key_block_of) and the host's schedule count (steps_per_head) both use it.
+template <typename Int>
+__host__ __device__ __forceinline__ void kept_query_blocks(Int c0, Int c1, Int q_rows,
+                                                           int window_left, int window_right,
+                                                           int block_m, Int* begin, Int* end) {
+  const Int row_lo = window_right >= 0 ? max(Int(0), c0 - window_right) : 0;
+  const Int row_hi = window_left >= 0 ? min(q_rows - 1, c1 + window_left) : q_rows - 1;
+  *begin = row_lo / block_m;
+  *end = (c0 > c1 || row_hi < row_lo) ? *begin : row_hi / block_m + 1;
+}
 
 struct KeyBlock {
   int batch, kv_head, n_block;
@@ -379,10 +363,8 @@ __device__ KeyBlock key_block_of(const BwdParams& p) {
   kb.kv_cols = p.kv_seqlens ? max(0, min(p.kv_seqlens[kb.batch], p.kv_len)) : p.kv_len;
   const int c0 = kb.n_block * Cfg::kBlockN;
   const int c1 = min(c0 + Cfg::kBlockN, kb.kv_cols) - 1;
-  const int row_lo = p.window_right >= 0 ? max(0, c0 - p.window_right) : 0;
-  const int row_hi = p.window_left >= 0 ? min(kb.q_rows - 1, c1 + p.window_left) : kb.q_rows - 1;
-  kb.m_begin = row_lo / Cfg::kBlockM;
-  kb.m_end = (c0 > c1 || row_hi < row_lo) ? kb.m_begin : row_hi / Cfg::kBlockM + 1;
+  kept_query_blocks(c0, c1, kb.q_rows, p.window_left, p.window_right, Cfg::kBlockM, &kb.m_begin,
+                    &kb.m_end);
   kb.steps = (kGqa ? p.heads_per_cta : p.heads_per_kv) * (kb.m_end - kb.m_begin);
   return kb;
 }
@@ -390,12 +372,16 @@ __device__ KeyBlock key_block_of(const BwdParams& p) {
 struct Step {
   int head, m_block;
 };
+// The first query head of a key block's steps (GQA schedule: kb.kv_head is the virtual kv
+// head, see key_block_of).
 template <bool kGqa>
-__device__ __forceinline__ Step step_of(const BwdParams& p, const KeyBlock& kb, int it) {
+__device__ __forceinline__ int first_head(const BwdParams& p, const KeyBlock& kb) {
+  return kb.kv_head * (kGqa ? p.heads_per_cta : p.heads_per_kv);
+}
+// Step `it`: the query heads from head0 on, each over the query blocks [m_begin, m_end).
+__device__ __forceinline__ Step step_of(const KeyBlock& kb, int head0, int it) {
   const int per_head = kb.m_end - kb.m_begin;
-  if constexpr (kGqa)  // kb.kv_head: the virtual kv head (key_block_of)
-    return {kb.kv_head * p.heads_per_cta + it / per_head, kb.m_begin + it % per_head};
-  return {kb.kv_head * p.heads_per_kv + it / per_head, kb.m_begin + it % per_head};
+  return {head0 + it / per_head, kb.m_begin + it % per_head};
 }
 
 // Deterministic mode: the number of key blocks that add into query block m before key block
@@ -426,9 +412,11 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
       : "memory");
 }
 
+// kb: the real kv head (K / V). GQA schedule: gqa_head0, the first query head of the steps
+// (first_head of the virtual kv head, computed by the caller: see the kernel).
 template <class Cfg, bool kGqa>
-__device__ void run_producer(const BwdParams& p, const KeyBlock& kb, int head0, uint32_t smem,
-                             const BwdBarriers& bars) {
+__device__ void run_producer(const BwdParams& p, const KeyBlock& kb, int gqa_head0,
+                             uint32_t smem, const BwdBarriers& bars) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_q)));
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_do)));
   if constexpr (!Cfg::kSplitHeadDim) {
@@ -444,8 +432,7 @@ __device__ void run_producer(const BwdParams& p, const KeyBlock& kb, int head0, 
                                            kb.n_block * Cfg::kBlockN, kb.kv_head, kb.batch);
   TIMELINE_EVENT(tl::kKvIssued, true);
   for (int it = 0; it < kb.steps; ++it) {
-    Step st = step_of<kGqa>(p, kb, it);
-    if constexpr (kGqa) st.head = head0 + it / (kb.m_end - kb.m_begin);
+    const Step st = step_of(kb, kGqa ? gqa_head0 : first_head<false>(p, kb), it);
     const int stage = it % Cfg::kStages;
     const uint32_t phase = (it / Cfg::kStages) & 1;
     const int row0 = st.m_block * Cfg::kBlockM;
@@ -944,7 +931,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   int stage = 0, last_stage = Cfg::kStages - 1;
   uint32_t phase = 0;
   for (int it = 0; it < kb.steps; ++it) {
-    const Step st = step_of<kGqa>(p, kb, it);
+    const Step st = step_of(kb, first_head<kGqa>(p, kb), it);
     const int buffer = it % 2;
     const uint32_t q_tile = smem + Cfg::kQOffset + stage * Cfg::kQBytes;
     const uint32_t do_tile = smem + Cfg::kDoOffset + stage * Cfg::kQBytes;
@@ -1126,13 +1113,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // the helper and one in the owner's softcap branch; this way 8 / 32 (the extra 8-byte
     // reload is in the partial-store epilogue).
     KeyBlock producer_kb = kb;
-    int head0 = 0;
+    int gqa_head0 = 0;
     if constexpr (kGqa) {
       producer_kb.kv_head = kb.kv_head >> p.kv_split_log2;
-      head0 = kb.kv_head * p.heads_per_cta;
+      gqa_head0 = first_head<true>(p, kb);
     }
     shrink_registers<Cfg::kProducerRegisters>();
-    if (threadIdx.x == 0) run_producer<Cfg, kGqa>(p, producer_kb, head0, smem, bars);
+    if (threadIdx.x == 0) run_producer<Cfg, kGqa>(p, producer_kb, gqa_head0, smem, bars);
   } else if (warpgroup == 1) {
     // A separate instantiation per role: a branch on the role inside the loop, between wgmma
     // issue and wait, would be a divergent path to ptxas (C7520, serialized wgmmas).
@@ -1364,8 +1351,20 @@ constexpr double kReduceLaunchSteps = 1.0;
 // the rule pick the measured fastest of s = 1, 2, 4 on all three.
 constexpr double kUnsplitGqaFactor = 1.08;
 
-int key_block_size(int64_t head_dim) { return head_dim > 128 ? 64 : 128; }
-int query_block_size(int64_t head_dim) { return head_dim == 64 ? 128 : 64; }
+// The main kernel's keys per CTA and queries per step at a head dim (its BwdConfig; the element
+// type does not change them).
+template <int kHeadDim>
+using BlocksOf = typename BwdConfigFor<__nv_bfloat16, kHeadDim>::type;
+int key_block_size(int64_t head_dim) {
+  return head_dim == 64    ? BlocksOf<64>::kBlockN
+         : head_dim == 128 ? BlocksOf<128>::kBlockN
+                           : BlocksOf<256>::kBlockN;
+}
+int query_block_size(int64_t head_dim) {
+  return head_dim == 64    ? BlocksOf<64>::kBlockM
+         : head_dim == 128 ? BlocksOf<128>::kBlockM
+                           : BlocksOf<256>::kBlockM;
+}
 int64_t key_blocks(const AttentionShape& sh) {
   const int bn = key_block_size(sh.head_dim);
   return (sh.kv_len + bn - 1) / bn;
@@ -1391,13 +1390,12 @@ int64_t dkv_slot_elems(const AttentionShape& sh) {
 
 // Steps of one head over key block n (full lengths), as key_block_of counts them.
 int64_t steps_per_head(const AttentionShape& sh, const BwdParams& p, int64_t n) {
-  const int64_t bn = key_block_size(sh.head_dim), bm = query_block_size(sh.head_dim);
+  const int64_t bn = key_block_size(sh.head_dim);
   const int64_t c0 = n * bn, c1 = std::min(c0 + bn, sh.kv_len) - 1;
-  const int64_t row_lo = p.window_right >= 0 ? std::max<int64_t>(0, c0 - p.window_right) : 0;
-  const int64_t row_hi = p.window_left >= 0 ? std::min(sh.q_len - 1, c1 + p.window_left)
-                                            : sh.q_len - 1;
-  if (c0 > c1 || row_hi < row_lo || sh.q_len <= 0) return 0;
-  return row_hi / bm + 1 - row_lo / bm;
+  int64_t begin, end;
+  kept_query_blocks(c0, c1, sh.q_len, p.window_left, p.window_right,
+                    query_block_size(sh.head_dim), &begin, &end);
+  return end - begin;
 }
 
 // Modelled time (steps) of a schedule: split < 1 = the default grid, else the GQA schedule.
@@ -1472,11 +1470,7 @@ int choose_schedule(const AttentionShape& sh, const BwdParams& p, bool determini
 }
 
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
-struct TimelineBuffer {
-  uint64_t* records = nullptr;
-  int64_t ctas = 0;
-};
-TimelineBuffer timeline_buffer;  // V3BackwardSetTimeline
+timeline::Buffer timeline_buffer;  // V3BackwardSetTimeline
 #endif
 
 // The BwdParams fields of launch_main that choose_schedule reads (windows).
@@ -1524,42 +1518,30 @@ cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bo
   const MaskSpec& spec = a.fwd.spec;
   p.scale = spec.scale;
   set_score_params(p, spec);
+
+  const bool gqa = split >= 1;
+  const int kv_split = gqa ? split : 1;
+  p.kv_split = kv_split;
+  p.kv_split_log2 = kv_split == 4 ? 2 : kv_split == 2 ? 1 : 0;
+  p.heads_per_cta = p.heads_per_kv / kv_split;
+  p.dkv_partial = gqa ? ws.dkv_partial : nullptr;
+  p.dkv_slot_elems = gqa ? dkv_slot_elems(sh) : 0;
+  const int64_t blocks = key_blocks(sh), virtual_kv_heads = sh.num_kv_heads * kv_split;
+  if (gqa && (blocks > 65535 || virtual_kv_heads > 65535)) return cudaErrorInvalidValue;
+  // Default grid: key block 0 first (x fastest): under causal masking it has the most query
+  // blocks, and deterministic mode needs lower key blocks dispatched before the higher ones
+  // that wait for them. GQA schedule: the key block the slowest index (key_block_of).
+  const dim3 grid = gqa ? dim3(unsigned(virtual_kv_heads), unsigned(sh.batch), unsigned(blocks))
+                        : dim3(unsigned(blocks), unsigned(sh.num_kv_heads), unsigned(sh.batch));
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
-  const int64_t ctas = key_blocks(sh) * sh.num_kv_heads * std::max(split, 1) * sh.batch;
-  if (timeline_buffer.records != nullptr && ctas > timeline_buffer.ctas)
-    return cudaErrorInvalidValue;
+  if (!timeline_buffer.fits(int64_t(grid.x) * grid.y * grid.z)) return cudaErrorInvalidValue;
   p.timeline = timeline_buffer.records;
 #endif
-
-  if (split >= 1) {
-    p.kv_split = split;
-    p.kv_split_log2 = split == 4 ? 2 : split == 2 ? 1 : 0;
-    p.heads_per_cta = p.heads_per_kv / split;
-    p.dkv_partial = ws.dkv_partial;
-    p.dkv_slot_elems = dkv_slot_elems(sh);
-    const auto kernel = v3_backward_kernel<Cfg, true>;
-    cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-    if (err != cudaSuccess) return err;
-    const int64_t blocks = key_blocks(sh), virtual_kv_heads = sh.num_kv_heads * split;
-    if (blocks > 65535 || virtual_kv_heads > 65535) return cudaErrorInvalidValue;
-    const dim3 grid(unsigned(virtual_kv_heads), unsigned(sh.batch), unsigned(blocks));
-    kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-    return cudaGetLastError();
-  }
-  p.dkv_partial = nullptr;
-  p.dkv_slot_elems = 0;
-  p.kv_split = 1;
-  p.kv_split_log2 = 0;
-  p.heads_per_cta = p.heads_per_kv;
-  const auto kernel = v3_backward_kernel<Cfg, false>;
-  cudaError_t err =
+  void (*const kernel)(BwdParams) =
+      gqa ? v3_backward_kernel<Cfg, true> : v3_backward_kernel<Cfg, false>;
+  const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
-  // Key block 0 first: under causal masking it has the most query blocks, and deterministic
-  // mode needs lower key blocks dispatched before the higher ones that wait for them.
-  const dim3 grid(unsigned((sh.kv_len + Cfg::kBlockN - 1) / Cfg::kBlockN),
-                  unsigned(sh.num_kv_heads), unsigned(sh.batch));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
@@ -1625,7 +1607,7 @@ int V3BackwardMaxKvSplit(const AttentionShape& shape) { return workspace_kv_spli
 
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
 void V3BackwardSetTimeline(uint64_t* records, int64_t ctas) {
-  timeline_buffer = {records, records != nullptr ? ctas : 0};
+  timeline_buffer.set(records, ctas);
 }
 #endif
 

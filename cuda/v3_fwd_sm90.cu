@@ -47,6 +47,9 @@
 #include <utility>
 
 #include "hopper.cuh"
+#ifdef JAX_FLASH_V3_FWD_TIMELINE
+#include "timeline.cuh"
+#endif
 
 namespace jax_flash {
 namespace {
@@ -135,7 +138,55 @@ struct Params {
   int num_m_blocks;
   bool pair_m_blocks;  // a work unit is two m-blocks (see decode_tile)
   int units_per_head, heads_per_group, num_units;
+#ifdef JAX_FLASH_V3_FWD_TIMELINE
+  uint64_t* timeline;  // v3_fwd_timeline records (cuda/v3.h); null: none
+#endif
 };
+
+// ------------------------------------------------------------------------------------------
+// Timeline instrumentation (-DJAX_FLASH_V3_FWD_TIMELINE only; layout in cuda/v3.h)
+// ------------------------------------------------------------------------------------------
+// TIMELINE_START(p, record) points the CTA at its records (one thread, before a __syncthreads);
+// TIMELINE_EVENT(event, record) stamps an event of the CTA; TIMELINE_TILE_EVENT(tile, e,
+// record) stamps event e of the CTA's tile number `tile` (non-empty tiles in the order the CTA
+// runs them: the producer's and each consumer's q_count); TIMELINE_CONSUMER_EVENT(c, tile, e)
+// stamps consumer event e of ConsumerState c's warpgroup; TIMELINE_TILE_SHAPE(tile, t) and
+// TIMELINE_CTA_INFO(tiles, record) store value records. Without the macro they expand to
+// nothing, so the default build's code is unchanged. Every event of a non-empty tile is stamped
+// once per tile, so that a slot's record, overwritten by later tiles, ends up all of one tile.
+
+#ifdef JAX_FLASH_V3_FWD_TIMELINE
+namespace tl = v3_fwd_timeline;
+
+// The record of tile event e of the CTA's tile number `tile` (slots: see tl::kTileSlots).
+__device__ __forceinline__ int timeline_tile_event(int tile, int e) {
+  const int slot = tile < 2 ? tile : 2 + (tile & 1);
+  return tl::kTiles + slot * tl::kTileEvents + e;
+}
+
+#define TIMELINE_START(p, record)                                   \
+  do {                                                              \
+    if (record) timeline::set_cta_records(p.timeline, tl::kEvents); \
+  } while (0)
+#define TIMELINE_EVENT(event, record) timeline::stamp(event, record)
+#define TIMELINE_TILE_EVENT(tile, e, record) \
+  timeline::stamp(timeline_tile_event(tile, tl::e), record)
+#define TIMELINE_CONSUMER_EVENT(c, tile, e)                                                   \
+  timeline::stamp(                                                                            \
+      timeline_tile_event(tile, tl::kConsumer + (c).warpgroup * tl::kConsumerEvents + tl::e), \
+      (c).leader)
+#define TIMELINE_TILE_SHAPE(tile, t)                                                         \
+  timeline::store_values(timeline_tile_event(tile, tl::kTileShape), (t).m_block,            \
+                         (t).n_max - (t).n_min, true)
+#define TIMELINE_CTA_INFO(tiles, record) timeline::store_cta_info(tl::kCtaInfo, tiles, record)
+#else
+#define TIMELINE_START(p, record)
+#define TIMELINE_EVENT(event, record)
+#define TIMELINE_TILE_EVENT(tile, e, record)
+#define TIMELINE_CONSUMER_EVENT(c, tile, e)
+#define TIMELINE_TILE_SHAPE(tile, t)
+#define TIMELINE_CTA_INFO(tiles, record)
+#endif
 
 // 2^x on the FMA pipe: x = j + f with j = round(x), |f| <= 1/2; 2^f by a degree-3 polynomial
 // (relative error 1.0e-4, below bf16 / fp16 rounding of P); j added to the exponent bits. The
@@ -234,12 +285,14 @@ __device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uin
   const int q_buffer = q_count % Cfg::kQBuffers;
   const uint32_t q_phase = (q_count / Cfg::kQBuffers) & 1;
   ++q_count;
+  TIMELINE_TILE_SHAPE(q_count - 1, t);
   const auto load_q = [&] {
     mbarrier_wait(bars.q_empty + 8 * q_buffer, q_phase ^ 1);
     mbarrier_arrive_expect_tx(bars.q_full + 8 * q_buffer, Cfg::kQBytes);
     tma_load_tile<Cfg::kSlabs, Cfg::kBlockM>(&p.tma_q, smem + q_buffer * Cfg::kQBytes,
                                              bars.q_full + 8 * q_buffer,
                                              t.m_block * Cfg::kBlockM, t.head, t.batch);
+    TIMELINE_TILE_EVENT(q_count - 1, kQIssued, true);
   };
   // Two buffers: this one was released early in the previous tile, so Q goes ahead of the
   // ring (it is then in flight for about two key blocks before the tile starts).
@@ -263,6 +316,8 @@ __device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uin
     mbarrier_arrive_expect_tx(bars.v_full + 8 * stage, Cfg::kKVBytes);
     tma_load_tile<Cfg::kSlabs, Cfg::kBlockN>(&p.tma_v, v_dst, bars.v_full + 8 * stage,
                                              nb * Cfg::kBlockN, kv_head, t.batch);
+    TIMELINE_TILE_EVENT(q_count - 1, kFirstKvIssued, nb == t.n_max - 1);
+    TIMELINE_TILE_EVENT(q_count - 1, kLastKvIssued, nb == t.n_min);
   }
 }
 
@@ -645,12 +700,15 @@ __device__ __forceinline__ void last_pv_alone(const Params& p, uint32_t smem,
   const int prev = (c.block_count - 1) % Cfg::kStages;
   mbarrier_wait(bars.v_full + 8 * prev, block_phase<Cfg>(c.block_count - 1));
   issue_in_turn(c, [&] {
+    TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kLastPvTurn);
     issue_pv<Cfg>(pa, v_tile<Cfg>(smem, prev), o);
     wgmma_commit();
   });
   wgmma_wait<0>();
+  TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kLastPvDone);
   take_output<Cfg>(bars, c, prev, o, pa);
   write_output<Cfg>(p, finish(), c, o);
+  TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kStored);
 }
 
 // One non-empty tile: S = Q K^T, online softmax and O += P V over its key blocks (last first).
@@ -672,7 +730,11 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
   const int row_lo = t.m_block * Cfg::kBlockM + c.warpgroup * 64;  // this warpgroup's rows
   const int q_buffer = c.q_count % Cfg::kQBuffers;
   const uint32_t q_rows = c.q_rows + q_buffer * Cfg::kQBytes;
+  // Timeline: this tile is number c.q_count until the increment, c.q_count - 1 after it; the
+  // pending tile (fused) c.q_count - 2.
+  TIMELINE_CONSUMER_EVENT(c, c.q_count, kQWait);
   mbarrier_wait(bars.q_full + 8 * q_buffer, (c.q_count / Cfg::kQBuffers) & 1);
+  TIMELINE_CONSUMER_EVENT(c, c.q_count, kQFull);
   ++c.q_count;
   RowStats st = {{-INFINITY, -INFINITY}, {0.f, 0.f}};
   float o_scale[2];
@@ -688,6 +750,10 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     mbarrier_wait(bars.k_full + 8 * stage, block_phase<Cfg>(c.block_count));
     if (kFused) mbarrier_wait(bars.v_full + 8 * prev, block_phase<Cfg>(c.block_count - 1));
     issue_in_turn(c, [&] {
+      TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kFirstTurn);
+      if constexpr (kFused) {
+        TIMELINE_CONSUMER_EVENT(c, c.q_count - 2, kLastPvTurn);
+      }
       issue_qk<Cfg>(q_rows, k_tile<Cfg>(smem, stage), s);
       wgmma_commit();
       if constexpr (kFused) {
@@ -697,12 +763,17 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     });
     release_staged_q<Cfg>(bars, c);  // a store issued before this tile (not fused)
     wgmma_wait<kFused ? 1 : 0>();    // S done; the pending PV may still run
+    TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kFirstScores);
     take_scores<Cfg>(p, t, bars, c, stage, nb, row_lo, s);
     online_softmax<Cfg, true>(s, st, p.scale_log2, o_scale);
     if constexpr (kFused) {
       wgmma_wait<0>();
+      // nvcc 13.0 places this wait's SASS before the softmax above (docs/perf-notes-v3.md, "the
+      // softmax never overlapped the PV GEMM"); the stamp stays after both.
+      TIMELINE_CONSUMER_EVENT(c, c.q_count - 2, kLastPvDone);
       take_output<Cfg>(bars, c, prev, o, pa);
       write_output<Cfg>(p, pending.f, c, o);
+      TIMELINE_CONSUMER_EVENT(c, c.q_count - 2, kStored);
     }
   };
   if (Cfg::kStageOutput && fuse) {
@@ -714,6 +785,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
   for (int i = 0; i < Cfg::kHeadDim / 2; ++i) o[i] = 0.f;
   accumulator_to_fragments<typename Cfg::Element>(s, pa);
   ++c.block_count;
+  TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kFirstBlockDone);
   // Steady state: S_j and PV_{j+1} in flight together; softmax(S_j) overlaps PV_{j+1}.
   for (int nb = t.n_max - 2; nb >= t.n_min; --nb, ++c.block_count) {
     const int stage = c.block_count % kStages;
@@ -735,6 +807,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     rescale_output<Cfg>(o, o_scale);
     accumulator_to_fragments<typename Cfg::Element>(s, pa);
   }
+  TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kLoopDone);
   if constexpr (Cfg::kStageOutput) {
     // lse now, so that the row statistics are not live across the fused tile boundary.
     pending = {finish_tile<Cfg>(p, t, row_lo, c.lane, st, q_buffer), true};
@@ -798,6 +871,8 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
   if (pending.valid) last_pv_alone<Cfg>(p, smem, bars, c, o, pa, [&] { return pending.f; });
   // The shared memory the output stores read must outlive them; wait for them to finish.
   if (Cfg::kStageOutput && c.leader) bulk_wait_all();
+  TIMELINE_EVENT(tl::kConsumerExit + warpgroup, c.leader);
+  TIMELINE_CTA_INFO(c.q_count, c.leader && warpgroup == 0);
 }
 
 template <class Cfg>
@@ -823,7 +898,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  TIMELINE_START(p, threadIdx.x == 0);
   __syncthreads();
+  TIMELINE_EVENT(tl::kEntry, threadIdx.x == 0);
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
@@ -876,6 +953,10 @@ struct DefaultTuning {
 // Heads whose K and V together take about this much L2 are scheduled as one group.
 constexpr int64_t kL2BudgetBytes = 24ll << 20;
 
+#ifdef JAX_FLASH_V3_FWD_TIMELINE
+timeline::Buffer timeline_buffer;  // V3ForwardSetTimeline
+#endif
+
 template <class Cfg>
 cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
   const AttentionShape& sh = a.shape;
@@ -917,6 +998,10 @@ cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
   const int grid = std::min(p.num_units, sm_count);
+#ifdef JAX_FLASH_V3_FWD_TIMELINE
+  if (!timeline_buffer.fits(grid)) return cudaErrorInvalidValue;
+  p.timeline = timeline_buffer.records;
+#endif
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
@@ -1015,6 +1100,12 @@ V3Tuning V3DefaultTuning(int64_t head_dim) {
          : head_dim == 128 ? DefaultTuning<128>::value()
                            : DefaultTuning<256>::value();
 }
+
+#ifdef JAX_FLASH_V3_FWD_TIMELINE
+void V3ForwardSetTimeline(uint64_t* records, int64_t ctas) {
+  timeline_buffer.set(records, ctas);
+}
+#endif
 
 cudaError_t V3Forward(const ForwardArgs& args, cudaStream_t stream) {
   return V3ForwardTuned(args, V3DefaultTuning(args.shape.head_dim), stream);

@@ -36,7 +36,6 @@ namespace {
 
 constexpr int64_t kMaxGridYZ = 65535;
 
-
 // The split workspaces: checks their shapes against `args` and stores their pointers; returns
 // the largest split count they hold.
 ffi::Error BindWorkspaces(const char* target, ffi::AnyBuffer partial_out,
@@ -47,14 +46,14 @@ ffi::Error BindWorkspaces(const char* target, ffi::AnyBuffer partial_out,
   if (partial_out.element_type() != ffi::DataType::F32 || splits < 1 ||
       !HasShape(partial_out, {splits, b, t, n, h}))
     return TargetError(target, "workspace `partial_out` must be float32 [splits, B, T, N, H] = "
-                           "[splits, " + std::to_string(b) + ", " + std::to_string(t) + ", " +
-                           std::to_string(n) + ", " + std::to_string(h) + "], got " +
-                           ShapeString(partial_out));
+                               "[splits, " + std::to_string(b) + ", " + std::to_string(t) + ", " +
+                               std::to_string(n) + ", " + std::to_string(h) + "], got " +
+                               ShapeString(partial_out));
   if (partial_lse.element_type() != ffi::DataType::F32 ||
       !HasShape(partial_lse, {splits, b, n, t}))
     return TargetError(target, "workspace `partial_lse` must be float32 [" +
-                                   std::to_string(splits) + ", B, N, T], got " +
-                                   ShapeString(partial_lse));
+                               std::to_string(splits) + ", B, N, T], got " +
+                               ShapeString(partial_lse));
   if (splits > kMaxGridYZ) return TargetError(target, "at most 65535 splits");
   if (counters.element_type() != ffi::DataType::S32 ||
       static_cast<int64_t>(counters.element_count()) < DecodeCounterCount(*args))
@@ -160,7 +159,7 @@ ffi::Error DecodeCacheInputs(const char* target, ffi::AnyBuffer q, ffi::AnyBuffe
     return TargetError(target, "head dim must be 64, 128 or 256");
   if (k_cache.dimensions().size() != 4 || k_cache.element_type() != q.element_type())
     return TargetError(target, "`k_cache` must be a rank-4 array of q's dtype, got " +
-                                   ShapeString(k_cache));
+                               ShapeString(k_cache));
   const auto kd = k_cache.dimensions();
   const int64_t k = kd[2];
   if (kd[3] != h || k <= 0 || n % k != 0)

@@ -17,7 +17,6 @@
 namespace jax_flash {
 namespace {
 
-
 // What the kernels take beyond the convention: 16-bit elements, head dims a multiple of 8 up
 // to 256 (the Python schedule pads the head dim to that multiple).
 ffi::Error CheckSupported(const char* target, const ForwardArgs& args) {

@@ -7,11 +7,19 @@
 //   bench  the 18 configs of /work/shared/BENCHMARK.md: a float64 check of sampled rows plus a
 //          NaN scan of every output, then cudaEvent timings (median of repeats) in TFLOP/s,
 //          for every compiled tuning variant
+//   --bench-one H T causal  the same for one grid config
+//   --timeline H T causal [records.csv]  (builds of tests/gpu/build_v3_timeline.sh only)
+//          one grid config, library default tuning: the forward timed with and without the
+//          stamps stored, then one recorded launch (cuda/v3.h, v3_fwd_timeline), its output
+//          checked on sampled rows, summarized per CTA and per tile (durations, key blocks,
+//          time per key block, the tile's budget from its start to the next tile's), and
+//          written raw to records.csv
 //
 // Build (static cudart, runs on the H200 unchanged):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I<cutlass include>
 //        -DJAX_FLASH_V3_TUNING_VARIANTS tests/gpu/harness_v3.cu cuda/v3_fwd_sm90.cu
 //        -o .carry/harness_v3
+// (tests/gpu/build_v3_timeline.sh runs this line and builds the timeline variant.)
 // Exit status: 0 when every check passed.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -33,6 +41,9 @@
 #include "../../cuda/v3.h"
 #include "harness_common.h"
 #include "harness_v3_case.h"
+#ifdef JAX_FLASH_V3_FWD_TIMELINE
+#include "harness_timeline.h"
+#endif
 
 using jax_flash::DType;
 using jax_flash::ForwardArgs;
@@ -347,11 +358,11 @@ double time_launches(Problem& pb, const V3Tuning& tuning, int warmup, int reps) 
                          reps);
 }
 
-bool bench(int reps) {
+bool bench(const std::vector<Case>& cases, int reps) {
   bool all_ok = true;
   std::vector<std::string> table;
   uint64_t seed = 1000;
-  for (const Case& c : grid_cases()) {
+  for (const Case& c : cases) {
     Problem pb(c, ++seed);
     const std::vector<RowId> rows = sampled_rows(c, 96, seed);
     const std::vector<RowRef> refs = reference_rows(pb, rows);
@@ -392,7 +403,304 @@ bool bench(int reps) {
   return all_ok;
 }
 
+#ifdef JAX_FLASH_V3_FWD_TIMELINE
+// ---- --timeline: where a tile of the forward kernel spends its time -------------------------
+//
+// Built only with -DJAX_FLASH_V3_FWD_TIMELINE (tests/gpu/build_v3_timeline.sh); record layout:
+// cuda/v3.h, v3_fwd_timeline. The grid is persistent (one CTA per SM, running n tiles), so
+// every duration below is inside one CTA and comes from %clock64, converted to ns at one rate
+// for all CTAs: the median over CTAs of clock64 span / globaltimer span (entry to last exit).
+// All SMs run on one clock, and the median is steadier than each CTA's own rate, which the
+// globaltimer's ~0.5 us steps leave ~0.5% uncertain over a T = 1024 CTA (~0.2-0.35 ms); the
+// p10 / p90 of those rates are printed as the check. The kernel span, entry skew and idle time
+// at the end compare CTAs, so they come from the globaltimer.
+
+namespace tl = jax_flash::v3_fwd_timeline;
+using harness::timeline::print_spread;
+using harness::timeline::spread;
+using harness::timeline::Spread;
+
+// The traced tiles of a CTA of n tiles, by kind: tiles 0, 1, n-2, n-1. The per-tile tables
+// take CTAs of at least kTimelineTileKinds tiles, where the kinds are four different tiles.
+constexpr int kTimelineTileKinds = 4;
+const char* const kTimelineTileKindNames[kTimelineTileKinds] = {"0", "1", "n-2", "n-1"};
+
+const char* const kTimelineProducerEventNames[tl::kConsumer - tl::kQIssued] = {
+    "prod_q_issued", "prod_first_kv_issued", "prod_last_kv_issued"};
+const char* const kTimelineConsumerEventNames[tl::kConsumerEvents] = {
+    "q_wait", "q_full", "first_turn", "first_scores", "first_block_done",
+    "loop_done", "last_pv_turn", "last_pv_done", "stored"};
+
+// The record of tile event e of tile number `tile` (the kernel's timeline_tile_event).
+int timeline_tile_record(int tile, int e) {
+  const int slot = tile < 2 ? tile : 2 + (tile & 1);
+  return tl::kTiles + slot * tl::kTileEvents + e;
+}
+
+// Column names of record e (CSV header). Slot s holds tile s for s < 2, else the CTA's last
+// tile k with k % 2 == s - 2 (see tl::kTileSlots).
+std::pair<std::string, std::string> timeline_columns(int e) {
+  using harness::timeline::timer_columns;
+  if (e == tl::kCtaInfo) return {"smid", "tiles"};
+  if (e == tl::kEntry) return timer_columns("entry");
+  if (e < tl::kTiles) return timer_columns("wg" + std::to_string(e - tl::kConsumerExit + 1) + "_exit");
+  const int slot = (e - tl::kTiles) / tl::kTileEvents, te = (e - tl::kTiles) % tl::kTileEvents;
+  const std::string prefix = "slot" + std::to_string(slot) + "_";
+  if (te == tl::kTileShape) return {prefix + "m_block", prefix + "key_blocks"};
+  if (te < tl::kConsumer) return timer_columns(prefix + kTimelineProducerEventNames[te - tl::kQIssued]);
+  const int w = (te - tl::kConsumer) / tl::kConsumerEvents;
+  return timer_columns(prefix + "wg" + std::to_string(w + 1) + "_" +
+                       kTimelineConsumerEventNames[(te - tl::kConsumer) % tl::kConsumerEvents]);
+}
+
+struct FwdCtaTimeline : harness::timeline::CtaRecords {  // tl::kEvents records
+  int64_t cta;
+  uint32_t smid;
+  int tiles;      // n: the CTA's non-empty tiles
+  int consumers;  // consumer warpgroups that recorded an exit
+  bool traced(int tile) const { return tile >= 0 && tile < tiles && (tile < 2 || tile >= tiles - 2); }
+  // Tile number of kind k (0, 1, n-2, n-1).
+  int tile_of_kind(int k) const { return k < 2 ? k : tiles - kTimelineTileKinds + k; }
+  int key_blocks(int tile) const {
+    return int(rec[2 * timeline_tile_record(tile, tl::kTileShape) + 1]);
+  }
+  int producer(int tile, int e) const { return timeline_tile_record(tile, e); }
+  int consumer(int w, int tile, int e) const {
+    return timeline_tile_record(tile, tl::kConsumer + w * tl::kConsumerEvents + e);
+  }
+  // The CTA's end: the latest consumer exit.
+  int exit_event() const {
+    int last = tl::kConsumerExit;
+    for (int w = 1; w < consumers; ++w)
+      if (clk(tl::kConsumerExit + w) > clk(last)) last = tl::kConsumerExit + w;
+    return last;
+  }
+};
+
+// The median of ns values in us, 8 characters wide; "-" when there are none.
+std::string median_us(const std::vector<double>& ns) {
+  char cell[32];
+  if (ns.empty()) return "       -";
+  std::snprintf(cell, sizeof cell, "%8.3f", spread(ns).p50 * 1e-3);
+  return cell;
+}
+
+// Consumer warpgroup w's tiles, one row per kind (CTAs of at least 4 tiles): each column from
+// the event before it, so that q_wait .. to_next add up to the duration, and the tile's last
+// PV (fused: issued in the next tile's first turn) shown apart.
+void print_tile_budget(const std::vector<FwdCtaTimeline>& all, int w) {
+  std::printf(" wg%d tiles (us, medians over CTAs; the tile starts when its Q wait begins):\n",
+              w + 1);
+  std::printf("  %-10s %6s %8s %8s %8s %8s %8s %8s %8s | %8s %8s %8s | %8s\n", "tile", "blocks",
+              "duration", "q_wait", "turn", "S_0", "blk0", "per_blk", "to_next", "pv_turn",
+              "pv", "store", "fixed");
+  const auto c_ev = [&](const FwdCtaTimeline& t, int tile, int e) { return t.consumer(w, tile, e); };
+  for (int kind = 0; kind < kTimelineTileKinds; ++kind) {
+    std::vector<double> blocks, duration, q_wait, turn, s0, blk0, per_blk, to_next, pv_turn, pv,
+        store, fixed;
+    for (const FwdCtaTimeline& t : all) {
+      if (t.tiles < kTimelineTileKinds || w >= t.consumers) continue;
+      const int k = t.tile_of_kind(kind), n_blocks = t.key_blocks(k);
+      const int start = c_ev(t, k, tl::kQWait), loop_done = c_ev(t, k, tl::kLoopDone);
+      const int first_done = c_ev(t, k, tl::kFirstBlockDone);
+      blocks.push_back(n_blocks);
+      q_wait.push_back(t.ns(start, c_ev(t, k, tl::kQFull)));
+      turn.push_back(t.ns(c_ev(t, k, tl::kQFull), c_ev(t, k, tl::kFirstTurn)));
+      s0.push_back(t.ns(c_ev(t, k, tl::kFirstTurn), c_ev(t, k, tl::kFirstScores)));
+      blk0.push_back(t.ns(c_ev(t, k, tl::kFirstScores), first_done));
+      pv_turn.push_back(t.ns(loop_done, c_ev(t, k, tl::kLastPvTurn)));
+      pv.push_back(t.ns(c_ev(t, k, tl::kLastPvTurn), c_ev(t, k, tl::kLastPvDone)));
+      store.push_back(t.ns(c_ev(t, k, tl::kLastPvDone), c_ev(t, k, tl::kStored)));
+      const double step = n_blocks > 1 ? t.ns(first_done, loop_done) / (n_blocks - 1) : NAN;
+      if (n_blocks > 1) per_blk.push_back(step);
+      // The tile ends where the next one starts; the CTA's last one when its output is stored.
+      // Tile 1's next (tile 2) is traced only when n = 4.
+      int end = -1;
+      if (t.traced(k + 1)) {
+        end = c_ev(t, k + 1, tl::kQWait);
+      } else if (k == t.tiles - 1) {
+        end = c_ev(t, k, tl::kStored);
+      }
+      if (end < 0) continue;
+      duration.push_back(t.ns(start, end));
+      to_next.push_back(t.ns(loop_done, end));
+      if (n_blocks > 1) fixed.push_back(t.ns(start, end) - n_blocks * step);
+    }
+    if (blocks.empty()) continue;
+    std::printf("  %-10s %6.0f %s %s %s %s %s %s %s | %s %s %s | %s\n",
+                kind == kTimelineTileKinds - 1 ? "n-1 (*)" : kTimelineTileKindNames[kind],
+                spread(blocks).p50, median_us(duration).c_str(), median_us(q_wait).c_str(),
+                median_us(turn).c_str(), median_us(s0).c_str(), median_us(blk0).c_str(),
+                median_us(per_blk).c_str(), median_us(to_next).c_str(),
+                median_us(pv_turn).c_str(), median_us(pv).c_str(), median_us(store).c_str(),
+                median_us(fixed).c_str());
+  }
+  // Tiles 1 .. n-3 together (CTAs of at least 4 tiles): from tile 1's start to tile n-2's.
+  std::vector<double> mean_duration, mean_fixed;
+  for (const FwdCtaTimeline& t : all) {
+    if (t.tiles < kTimelineTileKinds || w >= t.consumers) continue;
+    const int last_middle = t.tiles - 2;
+    const double mean = t.ns(t.consumer(w, 1, tl::kQWait), t.consumer(w, last_middle, tl::kQWait)) /
+                        (t.tiles - 3);
+    mean_duration.push_back(mean);
+    // The fixed part where tiles 1 and n-2 have the same key blocks (the untraced tiles between
+    // them are assumed alike: not under causal masking), at their mean time per block.
+    const int n_blocks = t.key_blocks(1);
+    if (n_blocks > 1 && n_blocks == t.key_blocks(last_middle)) {
+      const auto step = [&](int tile) {
+        return t.ns(t.consumer(w, tile, tl::kFirstBlockDone), t.consumer(w, tile, tl::kLoopDone)) /
+               (n_blocks - 1);
+      };
+      mean_fixed.push_back(mean - n_blocks * 0.5 * (step(1) + step(last_middle)));
+    }
+  }
+  // Aligned under "duration" and "fixed" of the header.
+  std::printf("  %-10s %6s %s%85s %s\n", "1..n-3 avg", "-", median_us(mean_duration).c_str(), "",
+              median_us(mean_fixed).c_str());
+  std::printf("  (*) to its output stored; tile 1 (n > 4): its next tile is not traced. blk0: "
+              "block 0's softmax and, fused, the previous tile's last PV and output; to_next: lse, "
+              "next tile's decode and, unfused, the last PV and output; fixed = duration - blocks "
+              "x per_blk\n");
+}
+
+// Each event of tile kind `kind` as time since that tile's start (consumer warpgroup w),
+// median p10 p90, with the producer's events of that tile and the next tile's first events.
+void print_tile_events(const std::vector<FwdCtaTimeline>& all, int w, int kind) {
+  std::printf(" wg%d tile %s, since its start (us: median p10 p90 (CTAs)):\n", w + 1,
+              kTimelineTileKindNames[kind]);
+  const auto row = [&](const std::string& what, int next, auto event_of) {
+    std::vector<double> since;
+    for (const FwdCtaTimeline& t : all) {
+      if (t.tiles < kTimelineTileKinds || w >= t.consumers) continue;
+      const int k = t.tile_of_kind(kind);
+      if (!t.traced(k + next)) continue;
+      const int e = event_of(t, k + next);
+      if (t.has(e)) since.push_back(t.ns(t.consumer(w, k, tl::kQWait), e));
+    }
+    print_spread(what, since);
+  };
+  for (int e = tl::kQIssued; e < tl::kConsumer; ++e)
+    row(kTimelineProducerEventNames[e - tl::kQIssued], 0,
+        [&](const FwdCtaTimeline& t, int k) { return t.producer(k, e); });
+  for (int e = tl::kQFull; e < tl::kConsumerEvents; ++e)
+    row(kTimelineConsumerEventNames[e], 0,
+        [&](const FwdCtaTimeline& t, int k) { return t.consumer(w, k, e); });
+  for (int e : {int(tl::kQWait), int(tl::kQFull), int(tl::kFirstTurn)})
+    row(std::string("next tile ") + kTimelineConsumerEventNames[e], 1,
+        [&](const FwdCtaTimeline& t, int k) { return t.consumer(w, k, e); });
+  row("next tile prod_q_issued", 1,
+      [&](const FwdCtaTimeline& t, int k) { return t.producer(k, tl::kQIssued); });
+}
+
+// The summary of one recorded launch (host records of `ctas` CTAs). False when no CTA recorded.
+bool summarize_timeline(const Case& c, const std::vector<uint64_t>& host, int64_t ctas) {
+  std::vector<FwdCtaTimeline> all;
+  for (int64_t i = 0; i < ctas; ++i) {
+    const uint64_t* rec = host.data() + i * 2 * tl::kEvents;
+    FwdCtaTimeline t{{rec}, i, uint32_t(rec[2 * tl::kCtaInfo]), int(rec[2 * tl::kCtaInfo + 1]), 0};
+    while (t.consumers < tl::kMaxConsumers && t.has(tl::kConsumerExit + t.consumers)) ++t.consumers;
+    if (t.has(tl::kEntry) && t.consumers > 0 && t.tiles > 0) all.push_back(t);
+  }
+  std::printf("timeline %s: %zu CTAs recorded (room for %ld)\n", c.describe().c_str(), all.size(),
+              long(ctas));
+  if (all.empty()) return false;
+
+  std::vector<double> rates, tiles, blocks, consumers;
+  std::vector<uint64_t> stamps;
+  uint64_t first_gt = UINT64_MAX, last_gt = 0;
+  for (const FwdCtaTimeline& t : all) {
+    const int exit = t.exit_event();
+    rates.push_back((double(t.clk(exit)) - double(t.clk(tl::kEntry))) /
+                    (double(t.gt(exit)) - double(t.gt(tl::kEntry))));
+    tiles.push_back(t.tiles);
+    consumers.push_back(t.consumers);
+    for (int k = 0; k < t.tiles; ++k)
+      if (t.traced(k)) blocks.push_back(t.key_blocks(k));
+    for (int e = tl::kEntry; e < tl::kEvents; ++e)
+      if (t.has(e) && (e < tl::kTiles || (e - tl::kTiles) % tl::kTileEvents != tl::kTileShape))
+        stamps.push_back(t.gt(e));
+    first_gt = std::min(first_gt, t.gt(tl::kEntry));
+    last_gt = std::max(last_gt, t.gt(exit));
+  }
+  const Spread rate = spread(rates), n = spread(tiles);
+  for (FwdCtaTimeline& t : all) t.cycles_per_ns = rate.p50;
+  std::printf("consumer warpgroups %.0f; tiles per CTA median %.0f (p10 %.0f, p90 %.0f); key blocks "
+              "per traced tile median %.0f (p10 %.0f, p90 %.0f)\n",
+              spread(consumers).p50, n.p50, n.p10, n.p90, spread(blocks).p50, spread(blocks).p10,
+              spread(blocks).p90);
+  std::printf("SM clock %.3f GHz (per CTA p10 %.3f, p90 %.3f); globaltimer step >= %lu ns\n",
+              rate.p50, rate.p10, rate.p90,
+              (unsigned long)harness::timeline::globaltimer_step(stamps));
+  std::printf("forward kernel span (globaltimer, first entry to last exit) %.1f us\n",
+              (double(last_gt) - double(first_gt)) * 1e-3);
+
+  std::printf(" CTA (us: median p10 p90 (CTAs); gt: from the globaltimer):\n");
+  std::vector<double> duration, skew, idle, first_q, first_start, drain;
+  for (const FwdCtaTimeline& t : all) {
+    const int exit = t.exit_event();
+    duration.push_back(t.ns(tl::kEntry, exit));
+    skew.push_back(double(t.gt(tl::kEntry)) - double(first_gt));
+    idle.push_back(double(last_gt) - double(t.gt(exit)));
+    first_q.push_back(t.ns(tl::kEntry, t.producer(0, tl::kQIssued)));
+    first_start.push_back(t.ns(tl::kEntry, t.consumer(0, 0, tl::kQFull)));
+    drain.push_back(t.ns(t.consumer(0, t.tiles - 1, tl::kStored), tl::kConsumerExit));
+  }
+  print_spread("CTA duration (entry -> last exit)", duration);
+  print_spread("entry skew vs first entry (gt)", skew);
+  print_spread("idle after exit, to last exit (gt)", idle);
+  print_spread("entry -> producer's tile 0 Q issued", first_q);
+  print_spread("entry -> wg1 tile 0 Q full", first_start);
+  print_spread("wg1 last output stored -> exit", drain);
+  for (int w = 0; w < tl::kMaxConsumers; ++w) {
+    if (w >= int(spread(consumers).p50)) break;
+    print_tile_budget(all, w);
+  }
+  for (int w = 0; w < tl::kMaxConsumers; ++w) {
+    if (w >= int(spread(consumers).p50)) break;
+    for (int kind = 0; kind < kTimelineTileKinds; ++kind) print_tile_events(all, w, kind);
+  }
+  return true;
+}
+
+// Runs grid config c (library default tuning) with recording, prints the summary and writes
+// the raw records to csv_path (null: none). sm_count: the most CTAs the persistent grid has.
+bool timeline(const Case& c, const char* csv_path, int sm_count) {
+  Problem pb(c, 1);
+  const int64_t ctas = sm_count;
+  const ForwardArgs a = pb.args();
+  // Perturbation check: compare ms_stored and ms_read with the default build's harness_v3
+  // --bench-one (`*` column).
+  const harness::timeline::RecordedRun run = harness::timeline::record_run(
+      ctas, tl::kEvents, jax_flash::V3ForwardSetTimeline,
+      [&] { CUDA_CHECK(jax_flash::V3Forward(a, 0)); }, [&] { pb.poison(); });
+  const std::vector<uint64_t>& host = run.records;
+  const double ms_stored = run.ms_stored, ms_read = run.ms_read;
+  pb.fetch();
+  const std::vector<RowId> rows = sampled_rows(c, 96, 1);
+  bool ok = report("timeline", c, compare_rows(pb, rows, reference_rows(pb, rows)), count_nan(pb),
+                   true, " (recorded launch, sampled)");
+  std::printf("forward (cudaEvent median of 10): %.4f ms stamps stored, %.4f ms timers read only "
+              "(%.1f / %.1f TFLOP/s)\n",
+              ms_stored, ms_read, c.forward_flops() / (ms_stored * 1e-3) / 1e12,
+              c.forward_flops() / (ms_read * 1e-3) / 1e12);
+  ok &= summarize_timeline(c, host, ctas);
+  if (csv_path != nullptr) {
+    ok &= harness::timeline::write_csv(csv_path, host, ctas, tl::kEvents, tl::kEvents,
+                                       timeline_columns);
+    std::printf("raw records: %s\n", csv_path);
+  }
+  return ok;
+}
+#endif
+
 }  // namespace
+
+constexpr const char* kUsage =
+    "usage: %s [check] [small] [bench] [--bench-one H T causal]\n"
+#ifdef JAX_FLASH_V3_FWD_TIMELINE
+    "       [--timeline H T causal [records.csv]]\n"
+#endif
+    ;
 
 int main(int argc, char** argv) {
   bool ok = true;
@@ -400,6 +708,7 @@ int main(int argc, char** argv) {
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, sm_%d%d, %d SMs\n", prop.name, prop.major, prop.minor,
               prop.multiProcessorCount);
+  const std::vector<Case> grid = grid_cases();
   for (int i = 1; i < argc; ++i) {
     const std::string mode = argv[i];
     if (mode == "check") {
@@ -414,9 +723,20 @@ int main(int argc, char** argv) {
       // 192 causal units: one-block tiles (m-block 0) between fused multi-block ones
       ok &= check_case({DType::kBF16, 4, 640, 640, 16, 4, 128, true}, 11);
     } else if (mode == "bench") {
-      ok &= bench(10);
+      ok &= bench(grid, 10);
+    } else if (mode == "--bench-one" && i + 3 < argc) {
+      Case c{};
+      if (!harness::grid_case_from_args(argv, i, &c)) return 2;
+      ok &= bench({c}, 10);
+#ifdef JAX_FLASH_V3_FWD_TIMELINE
+    } else if (mode == "--timeline" && i + 3 < argc) {
+      // One grid config: H T causal, then optionally a path ending in .csv for the records.
+      Case c{};
+      if (!harness::grid_case_from_args(argv, i, &c)) return 2;
+      ok &= timeline(c, harness::csv_path_from_args(argc, argv, i), prop.multiProcessorCount);
+#endif
     } else {
-      std::fprintf(stderr, "usage: %s [check] [small] [bench]\n", argv[0]);
+      std::fprintf(stderr, kUsage, argv[0]);
       return 2;
     }
   }

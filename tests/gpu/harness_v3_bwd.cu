@@ -48,6 +48,9 @@
 #include "../../cuda/v3.h"
 #include "harness_common.h"
 #include "harness_v3_case.h"
+#ifdef JAX_FLASH_V3_BWD_TIMELINE
+#include "harness_timeline.h"
+#endif
 
 using jax_flash::BackwardArgs;
 using jax_flash::DType;
@@ -601,6 +604,9 @@ bool bench_gqa(const std::vector<Case>& cases, int reps) {
 // sub-microsecond phases). The kernel span is the globaltimer's.
 
 namespace tl = jax_flash::v3_bwd_timeline;
+using harness::timeline::print_spread;
+using harness::timeline::spread;
+using harness::timeline::Spread;
 
 constexpr int kTimelineUsedEvents = tl::kConsumer + 2 * tl::kConsumerEvents;
 
@@ -626,46 +632,16 @@ std::string timeline_event_name(int e) {
   return role + "exit";
 }
 
-struct CtaTimeline {
+struct CtaTimeline : harness::timeline::CtaRecords {  // kEvents records
   int64_t cta;
   uint32_t smid;
   int steps;
-  const uint64_t* rec;       // kEvents pairs (globaltimer, clock64); 0: not reached
-  double cycles_per_ns = 0;  // of its SM
-  bool has(int e) const { return rec[2 * e] != 0; }
-  uint64_t gt(int e) const { return rec[2 * e]; }
-  uint64_t clk(int e) const { return rec[2 * e + 1]; }
   // The CTA's end: the later consumer exit.
   int end_event() const {
     const int a = consumer_event(0, tl::kExit), b = consumer_event(1, tl::kExit);
     return !has(b) || (has(a) && clk(a) >= clk(b)) ? a : b;
   }
-  // ns from event a to event b.
-  double ns(int a, int b) const { return (double(clk(b)) - double(clk(a))) / cycles_per_ns; }
 };
-
-struct Spread {
-  double p10 = NAN, p50 = NAN, p90 = NAN;
-  size_t n = 0;
-};
-Spread spread(std::vector<double> x) {
-  Spread s;
-  s.n = x.size();
-  if (x.empty()) return s;
-  std::sort(x.begin(), x.end());
-  const auto at = [&](double q) { return x[size_t(q * double(x.size() - 1) + 0.5)]; };
-  s.p10 = at(0.1);
-  s.p50 = at(0.5);
-  s.p90 = at(0.9);
-  return s;
-}
-// One summary row: median, p10, p90 in us (from ns), and how many CTAs; none when empty.
-void print_spread(const std::string& what, const std::vector<double>& ns) {
-  const Spread s = spread(ns);
-  if (s.n > 0)
-    std::printf("  %-36s %8.3f %8.3f %8.3f  (%zu)\n", what.c_str(), s.p50 * 1e-3, s.p10 * 1e-3,
-                s.p90 * 1e-3, s.n);
-}
 
 // Warpgroup w's time split per CTA of at least kTracedSteps steps (fewer: the last slots alias
 // the first). Step k lasts from step k - 1's end (kv_full for step 0) to its own end;
@@ -729,26 +705,11 @@ void print_budget(const std::vector<CtaTimeline>& all, int w) {
 // Writes the raw records, one row per CTA: cta, smid, steps, then (globaltimer ns, clock64)
 // per event; 0 = not reached.
 bool write_timeline_csv(const char* path, const std::vector<uint64_t>& host, int64_t ctas) {
-  FILE* f = std::fopen(path, "w");
-  if (f == nullptr) {
-    std::fprintf(stderr, "cannot write %s\n", path);
-    return false;
-  }
-  std::fprintf(f, "cta,smid,steps");
-  for (int e = tl::kEntry; e < kTimelineUsedEvents; ++e) {
-    const std::string name = timeline_event_name(e);
-    std::fprintf(f, ",%s_gt_ns,%s_clk", name.c_str(), name.c_str());
-  }
-  std::fprintf(f, "\n");
-  for (int64_t i = 0; i < ctas; ++i) {
-    const uint64_t* rec = host.data() + i * 2 * tl::kEvents;
-    std::fprintf(f, "%ld,%lu,%lu", long(i), (unsigned long)rec[2 * tl::kCtaInfo],
-                 (unsigned long)rec[2 * tl::kCtaInfo + 1]);
-    for (int e = tl::kEntry; e < kTimelineUsedEvents; ++e)
-      std::fprintf(f, ",%lu,%lu", (unsigned long)rec[2 * e], (unsigned long)rec[2 * e + 1]);
-    std::fprintf(f, "\n");
-  }
-  return std::fclose(f) == 0;
+  return harness::timeline::write_csv(
+      path, host, ctas, tl::kEvents, kTimelineUsedEvents, [](int e) {
+        return e == tl::kCtaInfo ? std::make_pair(std::string("smid"), std::string("steps"))
+                                 : harness::timeline::timer_columns(timeline_event_name(e));
+      });
 }
 
 // The summary of one recorded launch (host records of `ctas` CTAs). False when no CTA recorded.
@@ -756,7 +717,7 @@ bool summarize_timeline(const Case& c, const std::vector<uint64_t>& host, int64_
   std::vector<CtaTimeline> all;
   for (int64_t i = 0; i < ctas; ++i) {
     const uint64_t* rec = host.data() + i * 2 * tl::kEvents;
-    CtaTimeline t{i, uint32_t(rec[2 * tl::kCtaInfo]), int(rec[2 * tl::kCtaInfo + 1]), rec};
+    CtaTimeline t{{rec}, i, uint32_t(rec[2 * tl::kCtaInfo]), int(rec[2 * tl::kCtaInfo + 1])};
     if (t.has(tl::kEntry) && t.has(t.end_event())) all.push_back(t);
   }
   std::printf("timeline %s: %zu of %ld CTAs recorded\n", c.describe().c_str(), all.size(),
@@ -791,18 +752,13 @@ bool summarize_timeline(const Case& c, const std::vector<uint64_t>& host, int64_
     first_gt = std::min(first_gt, head.gt(tl::kEntry));
     last_gt = std::max(last_gt, tail.gt(tail_end));
   }
-  // The globaltimer's step: the smallest nonzero difference between recorded values.
   std::vector<uint64_t> stamps;
   for (const CtaTimeline& t : all) {
     steps.push_back(t.steps);
     for (int e = tl::kEntry; e < kTimelineUsedEvents; ++e)
       if (t.has(e)) stamps.push_back(t.gt(e));
   }
-  std::sort(stamps.begin(), stamps.end());
-  uint64_t gt_step = 0;
-  for (size_t i = 1; i < stamps.size(); ++i)
-    if (stamps[i] != stamps[i - 1] && (gt_step == 0 || stamps[i] - stamps[i - 1] < gt_step))
-      gt_step = stamps[i] - stamps[i - 1];
+  const uint64_t gt_step = harness::timeline::globaltimer_step(stamps);
   const Spread rate = spread(rates);
   std::printf("SMs %zu, CTAs per SM median %.0f, steps per CTA median %.0f; SM clock %.3f GHz "
               "(p10 %.3f, p90 %.3f); globaltimer step >= %lu ns\n",
@@ -845,23 +801,13 @@ bool timeline(const Case& c, const char* csv_path) {
   Problem pb(c, 1);
   const int64_t block_keys = c.H > 128 ? 64 : 128;
   const int64_t ctas = (c.S + block_keys - 1) / block_keys * c.K * c.B;
-  const int64_t words = ctas * 2 * tl::kEvents;
-  uint64_t* records = device_alloc<uint64_t>(words);
-  const auto launch = [&] { CUDA_CHECK(pb.launch_v3_split(false, -1)); };
-  // Perturbation check: the whole backward with the stamps stored, and with the timers read
-  // but not stored (compare both with the default build's harness_v3_bwd --bench-one).
-  jax_flash::V3BackwardSetTimeline(records, ctas);
-  const double ms_stored = median_event_ms(launch, 3, 10);
-  jax_flash::V3BackwardSetTimeline(nullptr, 0);
-  const double ms_read = median_event_ms(launch, 3, 10);
-  jax_flash::V3BackwardSetTimeline(records, ctas);
-  CUDA_CHECK(cudaMemset(records, 0, words * 8));
-  launch();
-  CUDA_CHECK(cudaDeviceSynchronize());
-  jax_flash::V3BackwardSetTimeline(nullptr, 0);
-  std::vector<uint64_t> host(words);
-  CUDA_CHECK(cudaMemcpy(host.data(), records, words * 8, cudaMemcpyDeviceToHost));
-  CUDA_CHECK(cudaFree(records));
+  // Perturbation check: compare ms_stored and ms_read with the default build's harness_v3_bwd
+  // --bench-one.
+  const harness::timeline::RecordedRun run = harness::timeline::record_run(
+      ctas, tl::kEvents, jax_flash::V3BackwardSetTimeline,
+      [&] { CUDA_CHECK(pb.launch_v3_split(false, -1)); }, [] {});
+  const std::vector<uint64_t>& host = run.records;
+  const double ms_stored = run.ms_stored, ms_read = run.ms_read;
   std::printf("backward (pre + main + post, cudaEvent median of 10): %.3f ms stamps stored, "
               "%.3f ms timers read only\n",
               ms_stored, ms_read);
@@ -924,36 +870,15 @@ int main(int argc, char** argv) {
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
     } else if (mode == "--timeline" && i + 3 < argc) {
       // One grid config: H T causal, then optionally a path ending in .csv for the records.
-      const int64_t h = std::atoll(argv[i + 1]), t = std::atoll(argv[i + 2]);
-      const bool causal = std::atoi(argv[i + 3]) != 0;
-      i += 3;
-      const char* csv = nullptr;
-      if (i + 1 < argc) {
-        const std::string next = argv[i + 1];
-        if (next.size() > 4 && next.compare(next.size() - 4, 4, ".csv") == 0) csv = argv[++i];
-      }
-      const std::vector<Case> grid = grid_cases();
-      const auto c = std::find_if(grid.begin(), grid.end(), [&](const Case& g) {
-        return g.H == h && g.T == t && g.causal == causal;
-      });
-      if (c == grid.end()) {
-        std::fprintf(stderr, "no grid config H=%ld T=%ld causal=%d\n", long(h), long(t), causal);
-        return 2;
-      }
-      ok &= timeline(*c, csv);
+      Case c{};
+      if (!harness::grid_case_from_args(argv, i, &c)) return 2;
+      ok &= timeline(c, harness::csv_path_from_args(argc, argv, i));
 #endif
     } else if ((mode == "--bench-one" || mode == "profile") && i + 3 < argc) {
       // One grid config: H T causal. profile: two plain v3 backward runs (for ncu).
-      const int64_t h = std::atoll(argv[i + 1]), t = std::atoll(argv[i + 2]);
-      const bool causal = std::atoi(argv[i + 3]) != 0;
-      i += 3;
-      std::vector<Case> cs;
-      for (const Case& c : grid_cases())
-        if (c.H == h && c.T == t && c.causal == causal) cs.push_back(c);
-      if (cs.empty()) {
-        std::fprintf(stderr, "no grid config H=%ld T=%ld causal=%d\n", long(h), long(t), causal);
-        return 2;
-      }
+      Case c{};
+      if (!harness::grid_case_from_args(argv, i, &c)) return 2;
+      const std::vector<Case> cs{c};
       if (mode == "profile") {
         Problem pb(cs[0], 1);
         for (int r = 0; r < 2; ++r) CUDA_CHECK(pb.launch_v3(false));

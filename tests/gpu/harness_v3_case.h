@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <utility>
@@ -91,6 +92,29 @@ inline std::vector<V3Case> grid_cases() {
         cases.push_back({jax_flash::DType::kBF16, b, t, t, n, n, h, causal});
       }
   return cases;
+}
+
+// The grid config named by the three arguments after argv[i] (H, T, causal), i advanced past
+// them; false, with a message, when the grid has no such config.
+inline bool grid_case_from_args(char** argv, int& i, V3Case* out) {
+  const int64_t h = std::atoll(argv[i + 1]), t = std::atoll(argv[i + 2]);
+  const bool causal = std::atoi(argv[i + 3]) != 0;
+  i += 3;
+  for (const V3Case& g : grid_cases())
+    if (g.H == h && g.T == t && g.causal == causal) {
+      *out = g;
+      return true;
+    }
+  std::fprintf(stderr, "no grid config H=%ld T=%ld causal=%d\n", long(h), long(t), causal);
+  return false;
+}
+
+// The argument after argv[i] when it is a path ending in .csv (i advanced past it), else null.
+inline const char* csv_path_from_args(int argc, char** argv, int& i) {
+  if (i + 1 >= argc) return nullptr;
+  const std::string next = argv[i + 1];
+  if (next.size() <= 4 || next.compare(next.size() - 4, 4, ".csv") != 0) return nullptr;
+  return argv[++i];
 }
 
 // Median milliseconds of `launch` over reps, each between its own pair of events.
