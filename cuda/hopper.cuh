@@ -308,6 +308,30 @@ __device__ __forceinline__ void accumulator_to_fragments(const float (&x)[kSteps
     for (int j = 0; j < 4; ++j) a[kk][j] = pack2<Element>(x[8 * kk + 2 * j], x[8 * kk + 2 * j + 1]);
 }
 
+// A warp's 16 rows of such fragments -> shared memory in the layout that TMA loads and stores
+// with the 128-byte swizzle: 128-byte rows in 64-column slabs `slab_bytes` apart, 16-byte chunk
+// c of row r at chunk c ^ (r % 8) (`tile` 1024-byte aligned). Fragment kk holds columns
+// column0 + 16 kk .. + 15 of rows warp_row0 .. + 15. One stmatrix.x4 per fragment: register j
+// is the 8 x 8 matrix of rows + 8 (j % 2), columns + 8 (j / 2), and lane l gives the address of
+// row l % 8 of matrix l / 8; each matrix's 8 rows land in 8 distinct 16-byte bank groups.
+template <int kSteps>
+__device__ __forceinline__ void store_fragments_swizzled(uint32_t tile, uint32_t slab_bytes,
+                                                         int warp_row0, int column0,
+                                                         int lane_in_warp,
+                                                         const uint32_t (&a)[kSteps][4]) {
+  const int matrix = lane_in_warp / 8;
+  const int row = warp_row0 + 8 * (matrix % 2) + lane_in_warp % 8;
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    const int column = column0 + 16 * kk + 8 * (matrix / 2);
+    const int slab = column / 64, chunk = (column % 64) / 8;
+    const uint32_t dst = tile + slab * slab_bytes + row * 128 + ((chunk ^ (row % 8)) * 16);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(dst),
+                 "r"(a[kk][0]), "r"(a[kk][1]), "r"(a[kk][2]), "r"(a[kk][3])
+                 : "memory");
+  }
+}
+
 // The score parameters of a MaskSpec as the v3 kernels read them: softcap (0 = off), the
 // tanh argument scale, the exp2 exponent scale (with softcap the capped score is already
 // scaled; the exponent only converts to log2) and the window with causal folded in (-1 =

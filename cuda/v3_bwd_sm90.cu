@@ -54,7 +54,10 @@
 //        descending key block order by a semaphore per block (each element gets its partials
 //        added in the same order every run; see dq_turn); dK / dV are always deterministic
 //        (one CTA owns them).
-//        Epilogue: dK = scale * dK, dV stored from registers (4-byte stores).
+//        Epilogue (write_key_gradients): dK = scale * dK and dV converted and written over the
+//        warpgroup's own rows of the K and V tiles in shared memory (free by then, see
+//        run_consumer), then stored by one thread per warpgroup with TMA; head dim 256 stores
+//        from registers, as does the GQA schedule with a split (fp32 partials).
 //   3. postprocess (one CTA per 64 query rows of a (batch, head)): dq = scale * dq_accum,
 //      transposed through shared memory into 16-byte stores of whole rows.
 //   4. GQA schedule with a split only: dk = scale * sum of the dK partials, dv = sum of the
@@ -99,6 +102,7 @@
 #include <functional>
 #include <mutex>
 #include <queue>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -118,6 +122,10 @@ constexpr int kRowPad = 128;
 // dq_accum stores 64 x 64 tiles; 4096 floats each.
 constexpr int kDqTileRows = 64;
 constexpr int kDqTileFloats = 64 * 64;
+
+// The key rows of one consumer warpgroup's dK / dV (64 at every head dim: its half of a 128-key
+// block, or all of a 64-key one), stored by TMA in one box of this many rows per 64-column slab.
+constexpr int kKeyGradBoxRows = 64;
 
 int64_t padded_rows(int64_t q_len) { return (q_len + kRowPad - 1) / kRowPad * kRowPad; }
 
@@ -205,6 +213,8 @@ struct BwdConfig {
   // Head dim 256: the P^T / dS^T tiles are one 64-query slab, and each warpgroup's queries
   // are whole 16-query k-steps of it.
   static_assert(!kSplitHeadDim || (kBlockM == 64 && kBlockN == 64));
+  // A consumer warpgroup's dK / dV rows are one TMA store box (store_key_gradients).
+  static_assert(kSplitHeadDim || kBlockN == kKeyGradBoxRows * kConsumerWarpgroups);
 };
 
 // The mbarriers at kBarrierOffset: K+V loaded; per stage Q+lse full, dO+D full, stage empty.
@@ -219,6 +229,10 @@ struct BwdBarriers {
 
 struct BwdParams {
   CUtensorMap tma_q, tma_k, tma_v, tma_do;
+  // dk, dv as TMA store targets (store_key_gradients): boxes of 64 columns x 64 key rows (one
+  // consumer warpgroup's keys), 128-byte swizzle like tma_k / tma_v; head dims 64 / 128 only.
+  // The GQA schedule's fp32 partials (kv_split > 1) are stored from registers.
+  CUtensorMap tma_dk, tma_dv;
   void* dk;
   void* dv;
   float* dq_accum;
@@ -405,6 +419,11 @@ __device__ void run_producer(const BwdParams& p, const KeyBlock& kb, int gqa_hea
                              uint32_t smem, const BwdBarriers& bars) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_q)));
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_do)));
+  if constexpr (!Cfg::kSplitHeadDim) {
+    // For the consumers' dK / dV stores at the end (the kernel's only use of these two).
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_dk)));
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_dv)));
+  }
   if (kb.steps == 0) return;
   mbarrier_arrive_expect_tx(bars.kv_full, 2 * Cfg::kKVBytes);
   tma_load_tile<Cfg::kSlabs, Cfg::kBlockN>(&p.tma_k, smem + Cfg::kKOffset, bars.kv_full,
@@ -610,30 +629,6 @@ __device__ __forceinline__ void capped_probabilities_and_gradients(
   }
 }
 
-// dS^T (or P^T) fragments -> shared memory, keys as rows, queries in 64-column slabs of
-// 128-byte rows (the 128-byte swizzle: 16-byte chunk c of row r lands at chunk c ^ (r % 8)),
-// the fragments' queries from query column column0 on. One stmatrix.x4 per 16 columns:
-// fragment register j is the 8 x 8 matrix of rows + 8 (j % 2), columns + 8 (j / 2), and lane
-// l gives the address of row l % 8 of matrix l / 8; each matrix's 8 rows land in 8 distinct
-// 16-byte bank groups.
-template <class Cfg>
-__device__ __forceinline__ void store_score_gradients(uint32_t ds_tile, int warp_row0,
-                                                      int column0, int lane_in_warp,
-                                                      const uint32_t (&a)[Cfg::kScoreCols / 16][4]) {
-  const int matrix = lane_in_warp / 8;
-  const int row = warp_row0 + 8 * (matrix % 2) + lane_in_warp % 8;
-#pragma unroll
-  for (int kk = 0; kk < Cfg::kScoreCols / 16; ++kk) {
-    const int column = column0 + 16 * kk + 8 * (matrix / 2);
-    const int slab = column / 64, chunk = (column % 64) / 8;
-    const uint32_t dst =
-        ds_tile + slab * Cfg::kBlockN * 128 + row * 128 + ((chunk ^ (row % 8)) * 16);
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(dst),
-                 "r"(a[kk][0]), "r"(a[kk][1]), "r"(a[kk][2]), "r"(a[kk][3])
-                 : "memory");
-  }
-}
-
 __device__ __forceinline__ void red_add_v4(float* address, float a, float b, float c, float d) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(address), "f"(a), "f"(b),
                "f"(c), "f"(d)
@@ -686,6 +681,7 @@ constexpr int kDsReadyBarrier = 1;  // + buffer: the dS^T of the buffer's step i
 constexpr int kDsFreeBarrier = 3;   // + buffer: the owner's dQ GEMM has read the buffer
 constexpr int kDqOrderBarrier = 5;  // deterministic mode: this block's turn to add dQ
 constexpr int kDqStagedBarrier = 6;  // + warpgroup: its dQ tiles are staged (128 threads)
+constexpr int kKeyGradStagedBarrier = 8;  // + warpgroup: its dK / dV are staged (128 threads)
 constexpr int kConsumerThreads = 256;
 
 __device__ __forceinline__ int load_acquire(const int* address) {
@@ -770,46 +766,100 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, c
   }
 }
 
-// dK = scale * acc (scale = 1 for dV) for this thread's two key rows (columns from col0 on:
-// the warpgroup's first column + the lane's); rows past kv_len skipped.
+// The epilogue of the default grid (and of the GQA schedule without a split): dK = scale * dK
+// and dV, this warpgroup's 64 key rows (key_row0: its first row in the block) x kGradCols
+// head-dim columns (from grad_col0), converted and written with stmatrix over the same rows and
+// columns of the K and V tiles in shared memory (the layout TMA loaded them in: 64-column slabs of
+// 128-byte swizzled rows), then stored by thread 0 of the warpgroup with one TMA store per slab
+// and tensor (tma_dk / tma_dv; TMA leaves out the rows past kv_len). That thread waits only until
+// the stores have read shared memory (the CTA must not exit before); the global writes complete
+// on their own. Before: 4-byte stores straight from the accumulator layout, 3.9 us per CTA at
+// H = 128 (docs/perf-notes-v3.md, timeline). The caller guarantees that no GEMM reads those K /
+// V rows and columns any more (run_consumer, at the call).
 template <class Cfg>
-__device__ __forceinline__ void store_key_gradient(const BwdParams& p, void* dst,
-                                                   const KeyBlock& kb, int key0, int col0,
-                                                   const float (&acc)[Cfg::kGradCols / 2],
-                                                   float scale) {
+__device__ __forceinline__ void store_key_gradients(const BwdParams& p, const KeyBlock& kb,
+                                                    uint32_t smem, int warpgroup, int thread,
+                                                    int key_row0, int grad_col0,
+                                                    float (&dk)[Cfg::kGradCols / 2],
+                                                    const float (&dv)[Cfg::kGradCols / 2]) {
   using Element = typename Cfg::Element;
+  constexpr int kSteps = Cfg::kGradCols / 16;
+  constexpr uint32_t kSlabBytes = Cfg::kBlockN * 128;
+  const uint32_t k_tile = smem + Cfg::kKOffset, v_tile = smem + Cfg::kVOffset;
+  const int warp_row0 = key_row0 + 16 * (thread / 32);
+#pragma unroll
+  for (int i = 0; i < Cfg::kGradCols / 2; ++i) dk[i] *= p.scale;
+  {
+    uint32_t a[kSteps][4];
+    accumulator_to_fragments<Element>(dk, a);
+    store_fragments_swizzled(k_tile, kSlabBytes, warp_row0, grad_col0, thread % 32, a);
+  }
+  {
+    uint32_t a[kSteps][4];
+    accumulator_to_fragments<Element>(dv, a);
+    store_fragments_swizzled(v_tile, kSlabBytes, warp_row0, grad_col0, thread % 32, a);
+  }
+  fence_proxy_async_shared();  // the generic-proxy stores, before TMA (async proxy) reads them
+  named_barrier_sync(kKeyGradStagedBarrier + warpgroup, 128);
+  const int key_lo = kb.n_block * Cfg::kBlockN + key_row0;
+  if (thread == 0 && key_lo < p.kv_len) {
+#pragma unroll
+    for (int s = 0; s < Cfg::kGradCols / 64; ++s) {
+      const int slab = grad_col0 / 64 + s;
+      const uint32_t rows = slab * kSlabBytes + key_row0 * 128;
+      tma_store_box(&p.tma_dk, k_tile + rows, 64 * slab, key_lo, kb.kv_head, kb.batch);
+      tma_store_box(&p.tma_dv, v_tile + rows, 64 * slab, key_lo, kb.kv_head, kb.batch);
+    }
+    bulk_commit();
+    bulk_wait_reads();
+  }
+}
+
+// dK or dV straight from the accumulator layout: this thread's two key rows (from key0) and
+// the warpgroup's columns (from col0: its first column + the lane's) of acc * scale into rows of
+// [B, kv_len, K, H] at dst; rows past kv_len skipped. Out = Element: converted, 4-byte stores
+// of pairs (head dim 256's epilogue, see write_key_gradients); Out = float: the GQA schedule's
+// unscaled fp32 partials (a dkv_partial slot), 8-byte stores.
+template <class Cfg, typename Out>
+__device__ __forceinline__ void store_key_gradient_rows(const BwdParams& p, Out* dst,
+                                                        const KeyBlock& kb, int key0, int col0,
+                                                        const float (&acc)[Cfg::kGradCols / 2],
+                                                        float scale) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = key0 + 8 * r;
     if (key >= p.kv_len) continue;
-    Element* row = static_cast<Element*>(dst) +
-                   ((int64_t(kb.batch) * p.kv_len + key) * p.num_kv_heads + kb.kv_head) *
-                       Cfg::kHeadDim;
+    Out* row = dst + ((int64_t(kb.batch) * p.kv_len + key) * p.num_kv_heads + kb.kv_head) *
+                         Cfg::kHeadDim;
 #pragma unroll
     for (int c = 0; c < Cfg::kGradCols / 8; ++c) {
-      *reinterpret_cast<uint32_t*>(row + 8 * c + col0) =
-          pack2<Element>(acc[4 * c + 2 * r] * scale, acc[4 * c + 2 * r + 1] * scale);
+      const float x = acc[4 * c + 2 * r] * scale, y = acc[4 * c + 2 * r + 1] * scale;
+      if constexpr (std::is_same_v<Out, float>) {
+        *reinterpret_cast<float2*>(row + 8 * c + col0) = make_float2(x, y);
+      } else {
+        *reinterpret_cast<uint32_t*>(row + 8 * c + col0) = pack2<Out>(x, y);
+      }
     }
   }
 }
 
-// store_key_gradient's rows and columns, unscaled fp32 into a dkv_partial slot (same row
-// layout as dk / dv: [B, kv_len, K, H]), 8-byte stores.
+// The dK / dV epilogue of the default grid and of the GQA schedule without a split. Head dims
+// 64 / 128 stage through shared memory and store by TMA (store_key_gradients). Head dim 256
+// keeps the register stores: with the staged epilogue ptxas scheduled its main loop
+// differently and the backward ran 4.5-5% slower at T = 4096 (1.3% faster at T = 1024;
+// docs/perf-notes-v3.md, "TMA-stored dK / dV epilogue, device results").
 template <class Cfg>
-__device__ __forceinline__ void store_key_gradient_partial(const BwdParams& p, float* slot,
-                                                           const KeyBlock& kb, int key0, int col0,
-                                                           const float (&acc)[Cfg::kGradCols / 2]) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = key0 + 8 * r;
-    if (key >= p.kv_len) continue;
-    float* row =
-        slot + ((int64_t(kb.batch) * p.kv_len + key) * p.num_kv_heads + kb.kv_head) * Cfg::kHeadDim;
-#pragma unroll
-    for (int c = 0; c < Cfg::kGradCols / 8; ++c) {
-      *reinterpret_cast<float2*>(row + 8 * c + col0) =
-          make_float2(acc[4 * c + 2 * r], acc[4 * c + 2 * r + 1]);
-    }
+__device__ __forceinline__ void write_key_gradients(const BwdParams& p, const KeyBlock& kb,
+                                                    uint32_t smem, int warpgroup, int thread,
+                                                    int key_row0, int key0, int grad_col0,
+                                                    int col0, float (&dk)[Cfg::kGradCols / 2],
+                                                    const float (&dv)[Cfg::kGradCols / 2]) {
+  using Element = typename Cfg::Element;
+  if constexpr (Cfg::kSplitHeadDim) {
+    store_key_gradient_rows<Cfg>(p, static_cast<Element*>(p.dk), kb, key0, col0, dk, p.scale);
+    store_key_gradient_rows<Cfg>(p, static_cast<Element*>(p.dv), kb, key0, col0, dv, 1.f);
+  } else {
+    store_key_gradients<Cfg>(p, kb, smem, warpgroup, thread, key_row0, grad_col0, dk, dv);
   }
 }
 
@@ -933,10 +983,13 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     if constexpr (kRole == DqRole::kHelper)
       named_barrier_sync(kDsFreeBarrier + buffer, kConsumerThreads);
     // The generic-proxy stores must be fenced before the tensor cores (async proxy) read them.
-    store_score_gradients<Cfg>(ds_tile, key_row0 + 16 * (thread / 32), query_col0, thread % 32,
-                               dsa);
+    // dS^T (P^T) -> shared memory, keys as rows, queries in 64-column slabs (the K-major layout
+    // of the dK GEMM's A and the MN-major layout of the dQ GEMM's A).
+    store_fragments_swizzled(ds_tile, Cfg::kBlockN * 128, key_row0 + 16 * (thread / 32),
+                             query_col0, thread % 32, dsa);
     if constexpr (kSplit)
-      store_score_gradients<Cfg>(p_tile, 16 * (thread / 32), query_col0, thread % 32, pa);
+      store_fragments_swizzled(p_tile, Cfg::kBlockN * 128, 16 * (thread / 32), query_col0,
+                               thread % 32, pa);
     fence_proxy_async_shared();
     if constexpr (kRole == DqRole::kHelper) {
       named_barrier_arrive(kDsReadyBarrier + buffer, kConsumerThreads);
@@ -997,23 +1050,32 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     zero(dk);
     zero(dv);
   }
+  // At head dims 64 / 128 store_key_gradients overwrites this warpgroup's rows [key_row0,
+  // key_row0 + 64) of the K and V tiles. Nothing reads them any more here (K and V are loaded
+  // once, before the first step; the producer touches them no more; with no steps nothing loaded
+  // or read them): V rows only by this warpgroup's dP^T GEMMs, K rows by its S^T GEMMs and by the
+  // owner's dQ GEMMs (which read all kBlockN keys): this warpgroup's own GEMMs are complete after
+  // the wgmma_wait<0> above, and the owner's dQ GEMM of each step completes before its arrival
+  // on that step's dS free barrier, the last two of which the helper took after its loop
+  // (above): so the helper's K rows are free too, and the owner's K rows are read by no helper
+  // GEMM. So no barrier between the two warpgroups is needed: each stores its part when done.
   if constexpr (kGqa) {
     KeyBlock out = kb;  // the real kv head and the split, from the virtual kv head
     out.kv_head = kb.kv_head >> p.kv_split_log2;
     const int split = kb.kv_head & (p.kv_split - 1);
     if (p.kv_split > 1) {  // partials, summed and converted by v3_backward_dkv_reduce_kernel
-      store_key_gradient_partial<Cfg>(p, p.dkv_partial + split * p.dkv_slot_elems, out, key0,
-                                      lane.col0 + grad_col0, dk);
-      store_key_gradient_partial<Cfg>(p, p.dkv_partial + (p.kv_split + split) * p.dkv_slot_elems,
-                                      out, key0, lane.col0 + grad_col0, dv);
+      store_key_gradient_rows<Cfg>(p, p.dkv_partial + split * p.dkv_slot_elems, out, key0,
+                                   lane.col0 + grad_col0, dk, 1.f);
+      store_key_gradient_rows<Cfg>(p, p.dkv_partial + (p.kv_split + split) * p.dkv_slot_elems,
+                                   out, key0, lane.col0 + grad_col0, dv, 1.f);
     } else {
-      store_key_gradient<Cfg>(p, p.dk, out, key0, lane.col0 + grad_col0, dk, p.scale);
-      store_key_gradient<Cfg>(p, p.dv, out, key0, lane.col0 + grad_col0, dv, 1.f);
+      write_key_gradients<Cfg>(p, out, smem, warpgroup, thread, key_row0, key0, grad_col0,
+                               lane.col0 + grad_col0, dk, dv);
     }
     return;
   }
-  store_key_gradient<Cfg>(p, p.dk, kb, key0, lane.col0 + grad_col0, dk, p.scale);
-  store_key_gradient<Cfg>(p, p.dv, kb, key0, lane.col0 + grad_col0, dv, 1.f);
+  write_key_gradients<Cfg>(p, kb, smem, warpgroup, thread, key_row0, key0, grad_col0,
+                           lane.col0 + grad_col0, dk, dv);
 }
 
 template <class Cfg, bool kGqa>
@@ -1431,7 +1493,12 @@ cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bo
       !encode_tensor_map(&p.tma_k, a.fwd.k, a.fwd.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
                          sh.head_dim, Cfg::kBlockN) ||
       !encode_tensor_map(&p.tma_v, a.fwd.v, a.fwd.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
-                         sh.head_dim, Cfg::kBlockN)) {
+                         sh.head_dim, Cfg::kBlockN) ||
+      (!Cfg::kSplitHeadDim &&  // head dim 256 stores dK / dV from registers
+       (!encode_tensor_map(&p.tma_dk, a.dk, a.fwd.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
+                           sh.head_dim, kKeyGradBoxRows) ||
+        !encode_tensor_map(&p.tma_dv, a.dv, a.fwd.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
+                           sh.head_dim, kKeyGradBoxRows)))) {
     return cudaErrorInvalidValue;
   }
   p.dk = a.dk;
@@ -1553,10 +1620,12 @@ const char* V3BackwardUnsupportedReason(const BackwardArgs& a) {
   if (a.fwd.bias.data != nullptr || a.dbias != nullptr)
     return "v3 backward does not take a bias tensor";
   if (a.fwd.mask.data != nullptr) return "v3 backward does not take a mask tensor";
-  // Pre- and postprocessing move out, dout and dq in 16-byte pieces (TMA reads dout too).
+  // Pre- and postprocessing move out, dout and dq in 16-byte pieces (TMA reads dout too); TMA
+  // stores dk and dv (tensor maps need 16-byte-aligned addresses).
   if ((reinterpret_cast<uintptr_t>(a.fwd.out) | reinterpret_cast<uintptr_t>(a.dout) |
-       reinterpret_cast<uintptr_t>(a.dq)) % 16 != 0)
-    return "v3 backward needs 16-byte-aligned out, dout and dq";
+       reinterpret_cast<uintptr_t>(a.dq) | reinterpret_cast<uintptr_t>(a.dk) |
+       reinterpret_cast<uintptr_t>(a.dv)) % 16 != 0)
+    return "v3 backward needs 16-byte-aligned out, dout, dq, dk and dv";
   if (!(a.fwd.spec.scale > 0.f)) return "v3 backward needs scale > 0";
   if (sh.num_kv_heads <= 0 || sh.num_heads % sh.num_kv_heads != 0)
     return "query heads must be a multiple of kv heads";
