@@ -958,6 +958,10 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     TIMELINE_STEP_EVENT(TIMELINE_CONSUMER(warpgroup, kScoresDone), it, kb.steps, thread == 0);
     fence_registers(s);
     fence_registers(dk);
+    // The previous step's stage is free: every lane's lse / D reads of it (probabilities,
+    // score_gradients) are ordered before the leader's release by the __syncwarp, not only by
+    // the warp's convergence.
+    __syncwarp();
     if (it > 0 && warp_leader) mbarrier_arrive(bars.empty + 8 * last_stage);
     if (p.softcap == 0.f) probabilities<Cfg>(s, p, kept, lse, query0, lane.col0);
     wgmma_wait<0>();
