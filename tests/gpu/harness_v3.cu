@@ -317,6 +317,11 @@ std::vector<Case> check_cases() {
   cs.push_back(
       Case{hf, 8, 640, 640, 8, 8, 128, true}.ragged({640, 0, 300, 640, 1, 640, 129, 500}, {}));
   cs.push_back({bf, 12, 256, 256, 8, 2, 256});
+  // Head dim 256 (one Q buffer, reloaded for each tile once both warpgroups' last S is done):
+  // 256 causal units over 8 m-blocks, ~4 tiles per CTA, with empty tiles from q_seqlens between
+  // them (GQA 8:4).
+  cs.push_back(Case{bf, 8, 1024, 1024, 8, 4, 256, true}.ragged(
+      {1024, 0, 300, 1024, 1, 1024, 129, 700}, {}));
   // Several tiles per CTA where the v3 forward fuses a tile's last PV with the next tile's first
   // S: the 192-row tile (three consumer warpgroups, 352 units: the Q ring wraps), and a causal
   // left window with softcap, whose tiles alternate between one key block (not fused) and two.
