@@ -307,7 +307,8 @@ std::vector<Case> check_cases() {
   cs.push_back({bf, 1, 2048, 2048, 4, 4, 128, true});
   cs.push_back({bf, 2, 700, 1500, 2, 2, 256});
   cs.push_back({hf, 1, 1024, 1024, 4, 4, 64, true});
-  // Head dim 64 from these lengths on runs the 192-row tile (use_tall_tile in the kernel).
+  // Head dim 64 from these lengths on runs the 192-row tile (h64_tile in the kernel; builds with
+  // -DJAX_FLASH_V3_H64_TILE_64X2 run every head dim 64 case on the 64-row tile, two CTAs per SM).
   cs.push_back({bf, 1, 2100, 2100, 2, 1, 64});
   cs.push_back({hf, 1, 8200, 8200, 1, 1, 64, true});
   // More work units than SMs, so that every CTA runs several tiles: the two-buffer Q ring wraps
