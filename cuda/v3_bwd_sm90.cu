@@ -123,8 +123,8 @@ constexpr int kRowPad = 128;
 constexpr int kDqTileRows = 64;
 constexpr int kDqTileFloats = 64 * 64;
 
-// The key rows of one consumer warpgroup's dK / dV (64 at every head dim: its half of a 128-key
-// block, or all of a 64-key one), stored by TMA in one box of this many rows per 64-column slab.
+// The key rows of one consumer warpgroup's dK / dV at head dims 64 / 128 (its half of a 128-key
+// block), stored by TMA in one box of this many rows per 64-column slab.
 constexpr int kKeyGradBoxRows = 64;
 
 int64_t padded_rows(int64_t q_len) { return (q_len + kRowPad - 1) / kRowPad * kRowPad; }
@@ -847,7 +847,7 @@ __device__ __forceinline__ void store_key_gradient_rows(const BwdParams& p, Out*
 // 64 / 128 stage through shared memory and store by TMA (store_key_gradients). Head dim 256
 // keeps the register stores: with the staged epilogue ptxas scheduled its main loop
 // differently and the backward ran 4.5-5% slower at T = 4096 (1.3% faster at T = 1024;
-// docs/perf-notes-v3.md, "TMA-stored dK / dV epilogue, device results").
+// docs/perf-notes-v3.md, "v3 backward, TMA-stored dK/dV epilogue").
 template <class Cfg>
 __device__ __forceinline__ void write_key_gradients(const BwdParams& p, const KeyBlock& kb,
                                                     uint32_t smem, int warpgroup, int thread,
