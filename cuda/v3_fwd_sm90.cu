@@ -36,8 +36,8 @@
 //     static assignment balances. Units are grouped by heads whose K / V fit in L2.
 //
 // Tiles (kBlockM x kBlockN): head dim 64: 128 x 128, or 192 x 128 (three consumer warpgroups)
-// on long sequences, or 64 x 128 (one consumer warpgroup, two CTAs per SM; measurement builds
-// only until measured, see h64_tile); 128: 128 x 128; 256: 128 x 80. Two K / V stages.
+// on long sequences, or 64 x 128 (one consumer warpgroup, two CTAs per SM) for causal ones of
+// 4096-8191 rows (h64_tile); 128: 128 x 128; 256: 128 x 80. Two K / V stages.
 //
 // Shared memory tiles are 64-column slabs of 128-byte rows in the 128-byte swizzle that TMA
 // writes and wgmma reads (slab c of a tile with R rows starts at c * R * 128 bytes). K-major
@@ -972,17 +972,20 @@ struct ConfigFor<Element, 256, H64Tile::k128, R, E> {
   using type = Config<Element, 256, 80, 2, 1, R, E>;
 };
 
-// The head dim 64 tile. The 192-row tile is faster on long sequences (T = 16384: +19%
-// non-causal, +10% causal) and slower on short or causal ones, where its partial and diagonal
-// tiles waste more (T = 1024 causal: -13%); measured in docs/perf-notes-v3.md. The 64-row tile
-// with two CTAs per SM is not measured yet: only builds with -DJAX_FLASH_V3_H64_TILE_64X2
-// (measurement builds, never the library's) run it, for every head dim 64 shape.
+// The head dim 64 tile (measured in docs/perf-notes-v3.md). The 192-row tile is faster on long
+// sequences (T = 16384: +19% non-causal, +10% causal) and slower on short or causal ones, where
+// its partial and diagonal tiles waste more (T = 1024 causal: -13%). The 64-row tile with two
+// CTAs per SM against the others: causal T = 4096 -4.1% (two runs), T = 1024 +1.6..+3.4%,
+// non-causal T = 4096 +3.9% and T = 16384 +8..+11% (against the 192-row tile). Builds with
+// -DJAX_FLASH_V3_H64_TILE_64X2 (measurement builds, never the library's) run it for every
+// head dim 64 shape.
 H64Tile h64_tile(const ForwardArgs& a) {
 #ifdef JAX_FLASH_V3_H64_TILE_64X2
   return H64Tile::k64x2;
 #else
   const bool causal_like = a.spec.is_causal || a.spec.window_right >= 0;
-  return a.shape.q_len >= (causal_like ? 8192 : 2048) ? H64Tile::k192 : H64Tile::k128;
+  if (a.shape.q_len >= (causal_like ? 8192 : 2048)) return H64Tile::k192;
+  return causal_like && a.shape.q_len >= 4096 ? H64Tile::k64x2 : H64Tile::k128;
 #endif
 }
 
@@ -1092,10 +1095,8 @@ cudaError_t dispatch_head_dim(const ForwardArgs& a, const V3Tuning& tuning, int 
   switch (a.shape.head_dim) {
     case 64:
       switch (h64_tile(a)) {
-#ifdef JAX_FLASH_V3_H64_TILE_64X2
         case H64Tile::k64x2:
           return launch_tuned<Element, 64, H64Tile::k64x2>(a, tuning, sm_count, stream);
-#endif
         case H64Tile::k192:
           return launch_tuned<Element, 64, H64Tile::k192>(a, tuning, sm_count, stream);
         default: return launch_tuned<Element, 64, H64Tile::k128>(a, tuning, sm_count, stream);

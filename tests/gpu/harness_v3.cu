@@ -669,10 +669,10 @@ bool summarize_timeline(const Case& c, const std::vector<uint64_t>& host, int64_
 }
 
 // Runs grid config c (library default tuning) with recording, prints the summary and writes
-// the raw records to csv_path (null: none). sm_count: the most CTAs the persistent grid has.
+// the raw records to csv_path (null: none). sm_count: the device's SMs.
 bool timeline(const Case& c, const char* csv_path, int sm_count) {
   Problem pb(c, 1);
-  const int64_t ctas = sm_count;
+  const int64_t ctas = int64_t(tl::kMaxCtasPerSm) * sm_count;  // the largest persistent grid
   const ForwardArgs a = pb.args();
   // Perturbation check: compare ms_stored and ms_read with the default build's harness_v3
   // --bench-one (`*` column).
