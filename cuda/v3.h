@@ -46,8 +46,6 @@ cudaError_t V3ForwardTuned(const ForwardArgs& args, const V3Tuning& tuning, cuda
 namespace v3_fwd_timeline {
 // Consumer warpgroups: 2, or 3 for head dim 64's 192-row tile.
 constexpr int kMaxConsumers = 3;
-// CTAs per SM: 1, or 2 for head dim 64's 64-row tile (the persistent grid is this x SMs).
-constexpr int kMaxCtasPerSm = 2;
 // A CTA runs n tiles (its non-empty ones, counted 0 .. n-1 in the order it runs them). Slots 0
 // and 1 hold tiles 0 and 1; tile k >= 2 goes to slot 2 + k % 2, overwriting tile k - 2, so that
 // slots 2 and 3 end up holding tiles n-2 and n-1 (the count need not be known in advance).

@@ -1,7 +1,6 @@
 // v3: the Hopper (sm_90a) FlashAttention forward.
 //
-// One CTA per SM (two with head dim 64's 64-row tile), persistent over (m-block, head, batch)
-// tiles, with warp-specialized roles:
+// One CTA per SM, persistent over (m-block, head, batch) tiles, with warp-specialized roles:
 //
 //   warpgroup 0      producer: one thread issues TMA loads of the Q tile and of K / V tiles into
 //                    a kStages-deep shared-memory ring; every buffer has a "full" mbarrier (TMA
@@ -15,14 +14,7 @@
 //   * intra-warpgroup: block j's S GEMM and block j+1's PV GEMM are issued back to back; the
 //     softmax of S_j runs while the tensor cores still work on PV_{j+1}.
 //   * inter-warpgroup ("pingpong"): a ring of named barriers lets one consumer warpgroup issue
-//     its GEMMs at a time, so one warpgroup's softmax overlaps the other's GEMMs. At a tile
-//     boundary the ring couples them: while one warpgroup does the work between its tiles
-//     (lse, the next tile's decode, the wait for its first S GEMM) the other gets one turn and
-//     then waits for the ring.
-//   * inter-CTA (head dim 64's 64-row tile): one consumer warpgroup per CTA and two CTAs per SM,
-//     each with half the registers and shared memory, and no turn ring: the GEMMs of one CTA
-//     overlap the softmax and the tile boundaries of the other, with no order enforced between
-//     them, so that a tile boundary costs the SM the other CTA's work instead of a wait.
+//     its GEMMs at a time, so one warpgroup's softmax overlaps the other's GEMMs.
 //   * across tiles (head dims 64 and 128, where two Q buffers fit): the producer loads the next
 //     tile's Q while this one runs; a tile's last PV GEMM is issued together with the next
 //     tile's first S GEMM, like S_j with PV_{j+1} inside a tile (consume_tile), and each
@@ -30,14 +22,13 @@
 //     buffer and stores it with TMA (stage_output). Head dim 256 runs the last PV alone and
 //     stores from registers (16-byte stores after a quad transpose) before the next tile.
 //   * setmaxnreg moves registers from the producer (which needs few) to the consumers.
-//   * persistent grid (kCtasPerSm CTAs per SM), static schedule: CTA i takes work units i,
-//     i + grid, ... A unit is one tile, or under causal masking the pair of m-blocks
-//     {last - k, k}, whose costs add up to the same for every k (longest first), so that the
-//     static assignment balances. Units are grouped by heads whose K / V fit in L2.
+//   * persistent grid, static schedule: CTA i takes work units i, i + grid, ... A unit is one
+//     tile, or under causal masking the pair of m-blocks {last - k, k}, whose costs add up to
+//     the same for every k (longest first), so that the static assignment balances. Units are
+//     grouped by heads whose K / V fit in L2.
 //
 // Tiles (kBlockM x kBlockN): head dim 64: 128 x 128, or 192 x 128 (three consumer warpgroups)
-// on long sequences, or 64 x 128 (one consumer warpgroup, two CTAs per SM) for causal ones of
-// 4096-8191 rows (h64_tile); 128: 128 x 128; 256: 128 x 80. Two K / V stages.
+// on long sequences; 128: 128 x 128; 256: 128 x 80. Two K / V stages.
 //
 // Shared memory tiles are 64-column slabs of 128-byte rows in the 128-byte swizzle that TMA
 // writes and wgmma reads (slab c of a tile with R rows starts at c * R * 128 bytes). K-major
@@ -73,7 +64,7 @@ constexpr float kRescaleThreshold = 8.f;
 // ------------------------------------------------------------------------------------------
 
 template <typename Element_, int kHeadDim_, int kBlockN_, int kConsumerWarpgroups_,
-          int kCtasPerSm_, bool kConditionalRescale_, int kExp2EmulationPeriod_>
+          bool kConditionalRescale_, int kExp2EmulationPeriod_>
 struct Config {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -82,32 +73,19 @@ struct Config {
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
-  // CTAs resident on one SM together: they split its registers and shared memory evenly.
-  static constexpr int kCtasPerSm = kCtasPerSm_;
   static constexpr bool kConditionalRescale = kConditionalRescale_;
   static constexpr int kExp2EmulationPeriod = kExp2EmulationPeriod_;
 
-  // The CTA is launched with its share of the SM's 64K registers (__launch_bounds__ caps the
-  // kernel at 65536 / (kCtasPerSm * kThreads) per thread); setmaxnreg then moves them from the
-  // producer to the consumers, which may together hold no more than the launch allocation (a
-  // setmaxnreg.inc beyond it never returns). Consumers: 240 (two warpgroups), 160 (three), 232
-  // (one, two CTAs per SM), multiples of 8 as setmaxnreg requires.
-  static constexpr int kRegistersPerCta = 65536 / kCtasPerSm;
-  static constexpr int kProducerRegisters = kConsumerWarpgroups <= 2 ? 24 : 32;
-  static constexpr int kConsumerRegisters =
-      (kRegistersPerCta / 128 - kProducerRegisters) / kConsumerWarpgroups / 8 * 8;
+  // After setmaxnreg the CTA's 64K registers are split between the producer and consumers.
+  static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? 24 : 32;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
   static_assert(128 * kProducerRegisters + 128 * kConsumerWarpgroups * kConsumerRegisters <=
-                kRegistersPerCta);
-  static_assert(kConsumerRegisters <= 256);
+                65536);
 
   static constexpr int kSlabs = kHeadDim / 64;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V stage
-  // An SM has 228 KB of shared memory, of which the driver reserves 1 KB per resident CTA; one
-  // CTA may opt in to the remaining 227 KB (cudaFuncAttributeMaxDynamicSharedMemorySize).
-  static constexpr int kSmemPerSm = 228 * 1024;
-  static constexpr int kSmemReservedPerCta = 1024;
-  static constexpr int kSmemLimit = kSmemPerSm / kCtasPerSm - kSmemReservedPerCta;
+  static constexpr int kSmemLimit = 227 * 1024;
   // The layout with q_buffers Q buffers: Q buffers, K stages, V stages, then the mbarriers (a
   // full and an empty one per Q buffer and per K or V stage), + 1024 bytes of base alignment.
   static constexpr int kv_offset(int q_buffers) { return q_buffers * kQBytes; }
@@ -127,8 +105,7 @@ struct Config {
   static constexpr int kVOffset = kKOffset + kStages * kKVBytes;
   static constexpr int kBarrierOffset = barrier_offset(kQBuffers);
   static constexpr int kSmemBytes = smem_bytes(kQBuffers);
-  static_assert(kCtasPerSm * (kSmemBytes + kSmemReservedPerCta) <= kSmemPerSm,
-                "kCtasPerSm tiles do not fit in one SM's shared memory");
+  static_assert(kSmemBytes <= kSmemLimit, "tile does not fit in shared memory");
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
 };
 
@@ -568,8 +545,7 @@ __device__ __forceinline__ void store_output(const Params& p, const FinishedTile
   }
 }
 
-// Named barrier ids 1..W: barrier w lets consumer warpgroup w issue its GEMMs next (two or
-// more consumer warpgroups; with one there is no turn to take, see issue_in_turn). Ids
+// Named barrier ids 1..W: barrier w lets consumer warpgroup w issue its GEMMs next. Ids
 // W+1..2W: consumer warpgroup w's 128 threads before its output store (stage_output).
 __device__ __forceinline__ int scheduler_barrier(int warpgroup) { return 1 + warpgroup; }
 template <class Cfg>
@@ -647,16 +623,13 @@ __device__ __forceinline__ void stage_output(const Params& p, const FinishedTile
   }
 }
 
-// Issues this warpgroup's GEMMs in its pingpong turn: wait for it, issue, pass it on. A single
-// consumer warpgroup (two CTAs per SM) issues at once: the SM's other CTA is what its GEMMs
-// alternate with.
-template <class Cfg, class IssueGemms>
+// Issues this warpgroup's GEMMs in its pingpong turn: wait for it, issue, pass it on.
+template <class IssueGemms>
 __device__ __forceinline__ void issue_in_turn(const ConsumerState& c, IssueGemms&& issue) {
-  constexpr bool kPingpong = Cfg::kConsumerWarpgroups > 1;
-  if constexpr (kPingpong) named_barrier_sync(c.my_barrier, 256);
+  named_barrier_sync(c.my_barrier, 256);
   wgmma_fence();
   issue();
-  if constexpr (kPingpong) named_barrier_arrive(c.next_barrier, 256);
+  named_barrier_arrive(c.next_barrier, 256);
 }
 
 // S of key block nb (K in `stage`) has landed: free the K stage (and Q after the tile's last
@@ -726,7 +699,7 @@ __device__ __forceinline__ void last_pv_alone(const Params& p, uint32_t smem,
                                               Finish&& finish) {
   const int prev = (c.block_count - 1) % Cfg::kStages;
   mbarrier_wait(bars.v_full + 8 * prev, block_phase<Cfg>(c.block_count - 1));
-  issue_in_turn<Cfg>(c, [&] {
+  issue_in_turn(c, [&] {
     TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kLastPvTurn);
     issue_pv<Cfg>(pa, v_tile<Cfg>(smem, prev), o);
     wgmma_commit();
@@ -776,7 +749,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     const int prev = (c.block_count - 1) % kStages;  // the pending tile's last V (kFused)
     mbarrier_wait(bars.k_full + 8 * stage, block_phase<Cfg>(c.block_count));
     if (kFused) mbarrier_wait(bars.v_full + 8 * prev, block_phase<Cfg>(c.block_count - 1));
-    issue_in_turn<Cfg>(c, [&] {
+    issue_in_turn(c, [&] {
       TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kFirstTurn);
       if constexpr (kFused) {
         TIMELINE_CONSUMER_EVENT(c, c.q_count - 2, kLastPvTurn);
@@ -819,7 +792,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     const int prev = (c.block_count - 1) % kStages;
     mbarrier_wait(bars.k_full + 8 * stage, block_phase<Cfg>(c.block_count));
     mbarrier_wait(bars.v_full + 8 * prev, block_phase<Cfg>(c.block_count - 1));
-    issue_in_turn<Cfg>(c, [&] {
+    issue_in_turn(c, [&] {
       issue_qk<Cfg>(q_rows, k_tile<Cfg>(smem, stage), s);
       wgmma_commit();
       issue_pv<Cfg>(pa, v_tile<Cfg>(smem, prev), o);
@@ -863,9 +836,7 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
   c.unreleased_q_buffer = -1;
 
   // The first warpgroup goes first.
-  if constexpr (W > 1) {
-    if (warpgroup == W - 1) named_barrier_arrive(scheduler_barrier(0), 256);
-  }
+  if (warpgroup == W - 1) named_barrier_arrive(scheduler_barrier(0), 256);
 
   float o[Cfg::kHeadDim / 2];
   float s[Cfg::kBlockN / 2];
@@ -905,7 +876,7 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
 }
 
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm) v3_forward_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __grid_constant__ Params p) {
   extern __shared__ uint8_t smem_raw[];
   // TMA's 128-byte swizzle and the wgmma descriptors assume 1024-byte-aligned tiles.
   const uint32_t smem = (smem_address(smem_raw) + 1023) & ~1023u;
@@ -945,48 +916,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm) v3_forward_ker
 // Host side
 // ------------------------------------------------------------------------------------------
 
-// Head dim 64 has three tiles (the other head dims one, passed as k128):
-//   k128   128 x 128, two consumer warpgroups in pingpong, one CTA per SM
-//   k192   192 x 128, three consumer warpgroups in pingpong, one CTA per SM
-//   k64x2  64 x 128, one consumer warpgroup, two CTAs per SM (a CTA's tile boundary overlaps
-//          the other CTA's GEMMs; see the file header)
-enum class H64Tile { k128, k192, k64x2 };
-
 // Tile shapes per head dim (FlashAttention-3's choices where they fit this kernel's layout).
-template <typename Element, int kHeadDim, H64Tile kTile, bool kConditionalRescale,
+// kTall: head dim 64 also has a 192-row tile (three consumer warpgroups), see use_tall_tile.
+template <typename Element, int kHeadDim, bool kTall, bool kConditionalRescale,
           int kExp2EmulationPeriod>
 struct ConfigFor;
-template <typename Element, H64Tile kTile, bool R, int E>
-struct ConfigFor<Element, 64, kTile, R, E> {
-  static constexpr int kConsumerWarpgroups =
-      kTile == H64Tile::k192 ? 3 : kTile == H64Tile::k128 ? 2 : 1;
-  static constexpr int kCtasPerSm = kTile == H64Tile::k64x2 ? 2 : 1;
-  using type = Config<Element, 64, 128, kConsumerWarpgroups, kCtasPerSm, R, E>;
+template <typename Element, bool kTall, bool R, int E>
+struct ConfigFor<Element, 64, kTall, R, E> {
+  using type = Config<Element, 64, 128, kTall ? 3 : 2, R, E>;
 };
 template <typename Element, bool R, int E>
-struct ConfigFor<Element, 128, H64Tile::k128, R, E> {
-  using type = Config<Element, 128, 128, 2, 1, R, E>;
+struct ConfigFor<Element, 128, false, R, E> {
+  using type = Config<Element, 128, 128, 2, R, E>;
 };
 template <typename Element, bool R, int E>
-struct ConfigFor<Element, 256, H64Tile::k128, R, E> {
-  using type = Config<Element, 256, 80, 2, 1, R, E>;
+struct ConfigFor<Element, 256, false, R, E> {
+  using type = Config<Element, 256, 80, 2, R, E>;
 };
 
-// The head dim 64 tile (measured in docs/perf-notes-v3.md). The 192-row tile is faster on long
-// sequences (T = 16384: +19% non-causal, +10% causal) and slower on short or causal ones, where
-// its partial and diagonal tiles waste more (T = 1024 causal: -13%). The 64-row tile with two
-// CTAs per SM against the others: causal T = 4096 -4.1% (two runs), T = 1024 +1.6..+3.4%,
-// non-causal T = 4096 +3.9% and T = 16384 +8..+11% (against the 192-row tile). Builds with
-// -DJAX_FLASH_V3_H64_TILE_64X2 (measurement builds, never the library's) run it for every
-// head dim 64 shape.
-H64Tile h64_tile(const ForwardArgs& a) {
-#ifdef JAX_FLASH_V3_H64_TILE_64X2
-  return H64Tile::k64x2;
-#else
+// Head dim 64: the 192-row tile is faster on long sequences (T = 16384: +19% non-causal, +10%
+// causal) and slower on short or causal ones, where its partial and diagonal tiles waste more
+// (T = 1024 causal: -13%); measured in docs/perf-notes-v3.md.
+bool use_tall_tile(const ForwardArgs& a) {
   const bool causal_like = a.spec.is_causal || a.spec.window_right >= 0;
-  if (a.shape.q_len >= (causal_like ? 8192 : 2048)) return H64Tile::k192;
-  return causal_like && a.shape.q_len >= 4096 ? H64Tile::k64x2 : H64Tile::k128;
-#endif
+  return a.shape.head_dim == 64 && a.shape.q_len >= (causal_like ? 8192 : 2048);
 }
 
 // The switches the library runs per head dim (measured in docs/perf-notes-v3.md).
@@ -1044,8 +997,7 @@ cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
-  // Persistent: kCtasPerSm CTAs on every SM (fewer when there are fewer units).
-  const int grid = std::min(p.num_units, Cfg::kCtasPerSm * sm_count);
+  const int grid = std::min(p.num_units, sm_count);
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
   if (!timeline_buffer.fits(grid)) return cudaErrorInvalidValue;
   p.timeline = timeline_buffer.records;
@@ -1054,15 +1006,15 @@ cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Launches the instantiation of (Element, kHeadDim, kTile) compiled for `tuning`: the head
+// Launches the instantiation of (Element, kHeadDim, kTall) compiled for `tuning`: the head
 // dim's default, plus (bf16, JAX_FLASH_V3_TUNING_VARIANTS builds) every switch combination.
-template <typename Element, int kHeadDim, H64Tile kTile>
+template <typename Element, int kHeadDim, bool kTall>
 cudaError_t launch_tuned(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
                          cudaStream_t stream) {
   using D = DefaultTuning<kHeadDim>;
   if (tuning.conditional_rescale == D::kConditionalRescale &&
       tuning.exp2_emulation_period == D::kExp2EmulationPeriod) {
-    using Cfg = typename ConfigFor<Element, kHeadDim, kTile, D::kConditionalRescale,
+    using Cfg = typename ConfigFor<Element, kHeadDim, kTall, D::kConditionalRescale,
                                    D::kExp2EmulationPeriod>::type;
     return launch<Cfg>(a, sm_count, stream);
   }
@@ -1074,15 +1026,15 @@ cudaError_t launch_tuned(const ForwardArgs& a, const V3Tuning& tuning, int sm_co
     }
     const bool emulated = tuning.exp2_emulation_period != 0;
     if (tuning.conditional_rescale && emulated)
-      return launch<typename ConfigFor<Element, kHeadDim, kTile, true, kPeriod>::type>(
+      return launch<typename ConfigFor<Element, kHeadDim, kTall, true, kPeriod>::type>(
           a, sm_count, stream);
     if (tuning.conditional_rescale)
-      return launch<typename ConfigFor<Element, kHeadDim, kTile, true, 0>::type>(a, sm_count,
+      return launch<typename ConfigFor<Element, kHeadDim, kTall, true, 0>::type>(a, sm_count,
                                                                                stream);
     if (emulated)
-      return launch<typename ConfigFor<Element, kHeadDim, kTile, false, kPeriod>::type>(
+      return launch<typename ConfigFor<Element, kHeadDim, kTall, false, kPeriod>::type>(
           a, sm_count, stream);
-    return launch<typename ConfigFor<Element, kHeadDim, kTile, false, 0>::type>(a, sm_count,
+    return launch<typename ConfigFor<Element, kHeadDim, kTall, false, 0>::type>(a, sm_count,
                                                                               stream);
   }
 #endif
@@ -1094,15 +1046,10 @@ cudaError_t dispatch_head_dim(const ForwardArgs& a, const V3Tuning& tuning, int 
                               cudaStream_t stream) {
   switch (a.shape.head_dim) {
     case 64:
-      switch (h64_tile(a)) {
-        case H64Tile::k64x2:
-          return launch_tuned<Element, 64, H64Tile::k64x2>(a, tuning, sm_count, stream);
-        case H64Tile::k192:
-          return launch_tuned<Element, 64, H64Tile::k192>(a, tuning, sm_count, stream);
-        default: return launch_tuned<Element, 64, H64Tile::k128>(a, tuning, sm_count, stream);
-      }
-    case 128: return launch_tuned<Element, 128, H64Tile::k128>(a, tuning, sm_count, stream);
-    case 256: return launch_tuned<Element, 256, H64Tile::k128>(a, tuning, sm_count, stream);
+      return use_tall_tile(a) ? launch_tuned<Element, 64, true>(a, tuning, sm_count, stream)
+                              : launch_tuned<Element, 64, false>(a, tuning, sm_count, stream);
+    case 128: return launch_tuned<Element, 128, false>(a, tuning, sm_count, stream);
+    case 256: return launch_tuned<Element, 256, false>(a, tuning, sm_count, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -5,13 +5,8 @@
 #                               library default tuning only (the instantiations it records)
 #   .carry/harness_v3           the default build (harness_v3.cu's line, every tuning
 #                               variant): the perturbation baseline (--bench-one)
-# and, with H64_TILE_64X2=1, a third:
-#   .carry/harness_v3_64x2      harness_v3 with -DJAX_FLASH_V3_H64_TILE_64X2: every head dim 64
-#                               shape on the 64-row tile with two CTAs per SM (h64_tile), the
-#                               other side of an A/B against harness_v3
 # A measurement build only: the library and the other build scripts never define the macro.
 #   bash tests/gpu/build_v3_timeline.sh            (CUTLASS=<include dir> to override)
-#   H64_TILE_64X2=1 bash tests/gpu/build_v3_timeline.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CUTLASS=${CUTLASS:-$(python3 -c "import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__) + '/source/include')")}
@@ -27,21 +22,14 @@ build() {  # name, extra flags: kernel object (ptxas report kept), harness objec
   nvcc -gencode=arch=compute_90a,code=sm_90a "$BUILD/$name.harness.o" "$BUILD/$name.fwd.o" \
     -o ".carry/$name"
 }
-names="harness_v3_timeline harness_v3"
 build harness_v3_timeline -DJAX_FLASH_V3_FWD_TIMELINE &
 timeline_build=$!
-if [ "${H64_TILE_64X2:-0}" = 1 ]; then
-  names="$names harness_v3_64x2"
-  build harness_v3_64x2 -DJAX_FLASH_V3_TUNING_VARIANTS -DJAX_FLASH_V3_H64_TILE_64X2 &
-  h64_tile_build=$!
-fi
 build harness_v3 -DJAX_FLASH_V3_TUNING_VARIANTS
 wait $timeline_build
-if [ -n "${h64_tile_build:-}" ]; then wait $h64_tile_build; fi
-# Spills and register counts per kernel. nvcc 13.0: none in any build (all 0 bytes), the
+# Spills and register counts per kernel. nvcc 13.0: none in either build (all 0 bytes), the
 # timeline build adds 16 bytes of static shared memory (the record pointer).
-for name in $names; do
+for name in harness_v3_timeline harness_v3; do
   echo "$name:"
   grep -E "spill|Used" "$BUILD/$name.ptxas.txt" | sort | uniq -c
 done
-echo "built$(printf ' .carry/%s' $names)"
+echo "built .carry/harness_v3_timeline .carry/harness_v3"

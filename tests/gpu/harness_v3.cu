@@ -307,8 +307,7 @@ std::vector<Case> check_cases() {
   cs.push_back({bf, 1, 2048, 2048, 4, 4, 128, true});
   cs.push_back({bf, 2, 700, 1500, 2, 2, 256});
   cs.push_back({hf, 1, 1024, 1024, 4, 4, 64, true});
-  // Head dim 64 from these lengths on runs the 192-row tile (h64_tile in the kernel; builds with
-  // -DJAX_FLASH_V3_H64_TILE_64X2 run every head dim 64 case on the 64-row tile, two CTAs per SM).
+  // Head dim 64 from these lengths on runs the 192-row tile (use_tall_tile in the kernel).
   cs.push_back({bf, 1, 2100, 2100, 2, 1, 64});
   cs.push_back({hf, 1, 8200, 8200, 1, 1, 64, true});
   // More work units than SMs, so that every CTA runs several tiles: the two-buffer Q ring wraps
@@ -669,10 +668,10 @@ bool summarize_timeline(const Case& c, const std::vector<uint64_t>& host, int64_
 }
 
 // Runs grid config c (library default tuning) with recording, prints the summary and writes
-// the raw records to csv_path (null: none). sm_count: the device's SMs.
+// the raw records to csv_path (null: none). sm_count: the most CTAs the persistent grid has.
 bool timeline(const Case& c, const char* csv_path, int sm_count) {
   Problem pb(c, 1);
-  const int64_t ctas = int64_t(tl::kMaxCtasPerSm) * sm_count;  // the largest persistent grid
+  const int64_t ctas = sm_count;
   const ForwardArgs a = pb.args();
   // Perturbation check: compare ms_stored and ms_read with the default build's harness_v3
   // --bench-one (`*` column).
