@@ -30,6 +30,8 @@ FORWARD_CASES = [
     Case(b=1, t=97, s=55, n=6, k=3, h=64),
     Case(b=1, t=1030, s=1030, n=2, k=1, h=64),
     Case(b=1, t=40, s=1100, n=2, k=2, h=64, is_causal=True),
+    # long enough for v3's 192-row head dim 64 tile (non-causal, >= 2048 rows)
+    Case(b=1, t=2100, s=2100, n=2, k=1, h=64),
     # head dims 8..256, including ones that are not a multiple of 8
     Case(b=1, t=33, s=40, n=2, k=2, h=20),
     Case(b=1, t=33, s=40, n=2, k=1, h=72),
