@@ -8,6 +8,8 @@
 //          NaN scan of every output, then cudaEvent timings (median of repeats) in TFLOP/s,
 //          for every compiled tuning variant
 //   --bench-one H T causal  the same for one grid config
+//   --settled  (before the modes) every timing as the library bench's settled loop: clocks of
+//          the sustained, power-capped run instead of boost (harness_v3_case.h, Timing)
 //   --timeline H T causal [records.csv]  (builds of tests/gpu/build_v3_timeline.sh only)
 //          one grid config, library default tuning: the forward timed with and without the
 //          stamps stored, then one recorded launch (cuda/v3.h, v3_fwd_timeline), its output
@@ -701,7 +703,7 @@ bool timeline(const Case& c, const char* csv_path, int sm_count) {
 }  // namespace
 
 constexpr const char* kUsage =
-    "usage: %s [check] [small] [bench] [--bench-one H T causal]\n"
+    "usage: %s [--settled] [check] [small] [bench] [--bench-one H T causal]\n"
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
     "       [--timeline H T causal [records.csv]]\n"
 #endif
@@ -716,7 +718,9 @@ int main(int argc, char** argv) {
   const std::vector<Case> grid = grid_cases();
   for (int i = 1; i < argc; ++i) {
     const std::string mode = argv[i];
-    if (mode == "check") {
+    if (harness::settled_flag(mode)) {
+      continue;
+    } else if (mode == "check") {
       uint64_t seed = 1;
       for (const Case& c : check_cases()) ok &= check_case(c, ++seed);
     } else if (mode == "small") {

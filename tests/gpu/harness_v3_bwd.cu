@@ -13,6 +13,8 @@
 //          where it served the gradients before the v3 backward took that head dim)
 //   --bench-one H T causal  one grid row (v2 timed when H = 256); profile H T causal: two
 //          plain v3 backward runs of that row (for ncu)
+//   --settled  (before the modes) every timing as the library bench's settled loop: clocks of
+//          the sustained, power-capped run instead of boost (harness_v3_case.h, Timing)
 //   check also runs GQA / MQA cases under every schedule of the main kernel (the default grid,
 //          the GQA schedule unsplit and split over 2 / 4 CTAs, and the rule's choice), each in
 //          both modes against one float64 reference; small adds two of them for memcheck
@@ -823,7 +825,7 @@ bool timeline(const Case& c, const char* csv_path) {
 }  // namespace
 
 constexpr const char* kUsage =
-    "usage: %s [check] [small] [--bench] [--bench-v3] [--bench-one|profile H T causal]\n"
+    "usage: %s [--settled] [check] [small] [--bench] [--bench-v3] [--bench-one|profile H T causal]\n"
     "       [--bench-gqa] [--bench-gqa-one B T N K H causal]\n"
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
     "       [--timeline H T causal [records.csv]]\n"
@@ -842,7 +844,9 @@ int main(int argc, char** argv) {
   }
   for (int i = 1; i < argc; ++i) {
     const std::string mode = argv[i];
-    if (mode == "check") {
+    if (harness::settled_flag(mode)) {
+      continue;
+    } else if (mode == "check") {
       uint64_t seed = 1;
       for (const Case& c : check_cases()) ok &= check_case(c, ++seed);
       for (const Case& c : split_cases()) ok &= check_split_case(c, ++seed);

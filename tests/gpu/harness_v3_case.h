@@ -117,15 +117,44 @@ inline const char* csv_path_from_args(int argc, char** argv, int& i) {
   return argv[++i];
 }
 
-// Median milliseconds of `launch` over reps, each between its own pair of events.
+// How median_event_ms times (set once, from the harness's --settled flag):
+//   kEachLaunch: a few warm-up launches, then every launch between its own pair of events. The
+//     card is mostly idle before, so it runs at boost clocks.
+//   kSettled: first ~0.4 s of back-to-back launches, then every repeat times ~0.1 s of
+//     back-to-back launches between one pair of events (per call: the span / launches), as the
+//     library bench's settled loop does (../shared/BENCHMARK.md). The H200 then runs at its
+//     700 W cap, where a kernel that draws more power per FLOP is clocked lower: a head dim 64
+//     tile won 4% with kEachLaunch and lost 5% in the bench (docs/perf-notes-v3.md, "two CTAs
+//     per SM"), so A/Bs of changes that shift work between units should be read settled too.
+enum class Timing { kEachLaunch, kSettled };
+inline Timing& timing() {
+  static Timing t = Timing::kEachLaunch;
+  return t;
+}
+
+// Milliseconds per call of `launch`: the median over reps (see Timing for what one rep is).
 inline double median_event_ms(const std::function<void()>& launch, int warmup, int reps) {
   for (int i = 0; i < warmup; ++i) launch();
   CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<cudaEvent_t> ev(2 * reps);
   for (auto& e : ev) CUDA_CHECK(cudaEventCreate(&e));
+  int calls = 1;  // launches per rep
+  if (timing() == Timing::kSettled) {
+    CUDA_CHECK(cudaEventRecord(ev[0], 0));
+    launch();
+    CUDA_CHECK(cudaEventRecord(ev[1], 0));
+    CUDA_CHECK(cudaEventSynchronize(ev[1]));
+    float one_ms;
+    CUDA_CHECK(cudaEventElapsedTime(&one_ms, ev[0], ev[1]));
+    const auto launches_for = [&](double ms) {
+      return int(std::clamp(std::ceil(ms / std::max(one_ms, 1e-3f)), 1.0, 100000.0));
+    };
+    for (int i = launches_for(400.0); i > 0; --i) launch();
+    calls = launches_for(100.0);
+  }
   for (int i = 0; i < reps; ++i) {
     CUDA_CHECK(cudaEventRecord(ev[2 * i], 0));
-    launch();
+    for (int c = 0; c < calls; ++c) launch();
     CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], 0));
   }
   CUDA_CHECK(cudaDeviceSynchronize());
@@ -133,11 +162,18 @@ inline double median_event_ms(const std::function<void()>& launch, int warmup, i
   for (int i = 0; i < reps; ++i) {
     float m;
     CUDA_CHECK(cudaEventElapsedTime(&m, ev[2 * i], ev[2 * i + 1]));
-    ms[i] = m;
+    ms[i] = m / calls;
   }
   for (auto& e : ev) CUDA_CHECK(cudaEventDestroy(e));
   std::sort(ms.begin(), ms.end());
   return ms[reps / 2];
+}
+
+// Consumes a leading --settled flag (argv[i]): true when it was one.
+inline bool settled_flag(const std::string& arg) {
+  if (arg != "--settled") return false;
+  timing() = Timing::kSettled;
+  return true;
 }
 
 }  // namespace harness
