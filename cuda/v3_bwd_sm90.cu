@@ -1615,7 +1615,11 @@ void V3BackwardSetTimeline(uint64_t* records, int64_t ctas) {
 }
 #endif
 
-const char* V3BackwardUnsupportedReason(const BackwardArgs& a) {
+namespace {
+
+// V3BackwardUnsupportedReason on a device of `info` (null: none could be queried), which the
+// entry points query once per call.
+const char* unsupported_reason(const BackwardArgs& a, const DeviceInfo* info) {
   const AttentionShape& sh = a.fwd.shape;
   if (a.fwd.dtype != DType::kBF16 && a.fwd.dtype != DType::kF16)
     return "v3 backward needs bfloat16 or float16";
@@ -1638,13 +1642,10 @@ const char* V3BackwardUnsupportedReason(const BackwardArgs& a) {
     return "v3 backward launches batch and heads on grid dimensions of at most 65535";
   if (padded_rows(sh.q_len) >= (int64_t(1) << 31) || sh.kv_len >= (int64_t(1) << 31))
     return "v3 backward indexes rows with 32-bit integers";
-  DeviceInfo info;
-  if (current_device_info(&info) != cudaSuccess) return "no CUDA device";
-  if (info.major != 9 || info.minor != 0) return "v3 backward needs an sm_90 (Hopper) device";
+  if (info == nullptr) return "no CUDA device";
+  if (info->major != 9 || info->minor != 0) return "v3 backward needs an sm_90 (Hopper) device";
   return nullptr;
 }
-
-namespace {
 
 // The schedule V3BackwardScheduled runs: kv_split 0 = choose_schedule's, else kv_split as given
 // (-1 = the default grid). Returns -2 for a kv_split this call cannot take.
@@ -1664,16 +1665,21 @@ int resolve_split(const BackwardArgs& args, const V3BackwardWorkspace& workspace
 
 }  // namespace
 
+const char* V3BackwardUnsupportedReason(const BackwardArgs& a) {
+  DeviceInfo info;
+  return unsupported_reason(a, current_device_info(&info) == cudaSuccess ? &info : nullptr);
+}
+
 cudaError_t V3BackwardScheduled(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
                                 bool deterministic, int kv_split, cudaStream_t stream) {
-  if (V3BackwardUnsupportedReason(args) != nullptr) return cudaErrorInvalidValue;
+  DeviceInfo info;
+  const bool have_device = current_device_info(&info) == cudaSuccess;
+  if (unsupported_reason(args, have_device ? &info : nullptr) != nullptr)
+    return cudaErrorInvalidValue;
   if (workspace.dq_accum == nullptr || workspace.dsum == nullptr ||
       workspace.lse_log2 == nullptr || (deterministic && workspace.dq_semaphore == nullptr))
     return cudaErrorInvalidValue;
   if (args.fwd.shape.batch * args.fwd.shape.num_heads == 0) return cudaSuccess;
-  DeviceInfo info;
-  cudaError_t err = current_device_info(&info);
-  if (err != cudaSuccess) return err;
   const int split = resolve_split(args, workspace, deterministic, kv_split, info.sm_count);
   if (split == -2) return cudaErrorInvalidValue;
   const int sms = info.sm_count;

@@ -1061,9 +1061,9 @@ cudaError_t dispatch(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
              : dispatch_head_dim<__half>(a, tuning, sm_count, stream);
 }
 
-}  // namespace
-
-const char* V3ForwardUnsupportedReason(const ForwardArgs& a) {
+// V3ForwardUnsupportedReason on a device of `info` (null: none could be queried), which the
+// entry points query once per call.
+const char* unsupported_reason(const ForwardArgs& a, const DeviceInfo* info) {
   const AttentionShape& sh = a.shape;
   if (a.dtype != DType::kBF16 && a.dtype != DType::kF16) return "v3 needs bfloat16 or float16";
   if (sh.head_dim != 64 && sh.head_dim != 128 && sh.head_dim != 256)
@@ -1081,17 +1081,23 @@ const char* V3ForwardUnsupportedReason(const ForwardArgs& a) {
   for (const void* p : {a.q, a.k, a.v, static_cast<const void*>(a.out)})
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
       return "v3 needs q, k, v and out 16-byte aligned (TMA)";
-  DeviceInfo info;
-  if (current_device_info(&info) != cudaSuccess) return "no CUDA device";
-  if (info.major != 9 || info.minor != 0) return "v3 needs an sm_90 (Hopper) device";
+  if (info == nullptr) return "no CUDA device";
+  if (info->major != 9 || info->minor != 0) return "v3 needs an sm_90 (Hopper) device";
   return nullptr;
 }
 
-cudaError_t V3ForwardTuned(const ForwardArgs& args, const V3Tuning& tuning, cudaStream_t stream) {
-  if (V3ForwardUnsupportedReason(args) != nullptr) return cudaErrorInvalidValue;
+}  // namespace
+
+const char* V3ForwardUnsupportedReason(const ForwardArgs& a) {
   DeviceInfo info;
-  const cudaError_t err = current_device_info(&info);
-  if (err != cudaSuccess) return err;
+  return unsupported_reason(a, current_device_info(&info) == cudaSuccess ? &info : nullptr);
+}
+
+cudaError_t V3ForwardTuned(const ForwardArgs& args, const V3Tuning& tuning, cudaStream_t stream) {
+  DeviceInfo info;
+  const bool have_device = current_device_info(&info) == cudaSuccess;
+  if (unsupported_reason(args, have_device ? &info : nullptr) != nullptr)
+    return cudaErrorInvalidValue;
   return dispatch(args, tuning, info.sm_count, stream);
 }
 
