@@ -303,7 +303,7 @@ __device__ __forceinline__ void timeline_record_step(int event0, int it, int ste
   timeline_record_step(event0, it, steps, record)
 #define TIMELINE_CTA_INFO(steps, record) timeline::store_cta_info(tl::kCtaInfo, steps, record)
 // Event `e` of consumer warpgroup w (run_consumer's `warpgroup`: 0 or 1).
-#define TIMELINE_CONSUMER(w, e) (tl::kConsumer + (w) * tl::kConsumerEvents + tl::e)
+#define TIMELINE_CONSUMER(w, e) tl::consumer_event(w, tl::e)
 #else
 #define TIMELINE_START(p, record)
 #define TIMELINE_EVENT(event, record)

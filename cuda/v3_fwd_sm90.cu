@@ -158,25 +158,19 @@ struct Params {
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
 namespace tl = v3_fwd_timeline;
 
-// The record of tile event e of the CTA's tile number `tile` (slots: see tl::kTileSlots).
-__device__ __forceinline__ int timeline_tile_event(int tile, int e) {
-  const int slot = tile < 2 ? tile : 2 + (tile & 1);
-  return tl::kTiles + slot * tl::kTileEvents + e;
-}
-
 #define TIMELINE_START(p, record)                                   \
   do {                                                              \
     if (record) timeline::set_cta_records(p.timeline, tl::kEvents); \
   } while (0)
 #define TIMELINE_EVENT(event, record) timeline::stamp(event, record)
 #define TIMELINE_TILE_EVENT(tile, e, record) \
-  timeline::stamp(timeline_tile_event(tile, tl::e), record)
+  timeline::stamp(tl::tile_event(tile, tl::e), record)
 #define TIMELINE_CONSUMER_EVENT(c, tile, e)                                                   \
   timeline::stamp(                                                                            \
-      timeline_tile_event(tile, tl::kConsumer + (c).warpgroup * tl::kConsumerEvents + tl::e), \
+      tl::tile_event(tile, tl::kConsumer + (c).warpgroup * tl::kConsumerEvents + tl::e), \
       (c).leader)
 #define TIMELINE_TILE_SHAPE(tile, t)                                                         \
-  timeline::store_values(timeline_tile_event(tile, tl::kTileShape), (t).m_block,            \
+  timeline::store_values(tl::tile_event(tile, tl::kTileShape), (t).m_block,            \
                          (t).n_max - (t).n_min, true)
 #define TIMELINE_CTA_INFO(tiles, record) timeline::store_cta_info(tl::kCtaInfo, tiles, record)
 #else

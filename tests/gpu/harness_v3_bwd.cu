@@ -609,10 +609,9 @@ namespace tl = jax_flash::v3_bwd_timeline;
 using harness::timeline::print_spread;
 using harness::timeline::spread;
 using harness::timeline::Spread;
+using tl::consumer_event;
 
 constexpr int kTimelineUsedEvents = tl::kConsumer + 2 * tl::kConsumerEvents;
-
-int consumer_event(int w, int e) { return tl::kConsumer + w * tl::kConsumerEvents + e; }
 
 // The traced steps by slot (n = the CTA's steps).
 const char* const kTimelineSlots[tl::kTracedSteps] = {"0", "1", "2", "n-3", "n-2", "n-1"};
