@@ -10,6 +10,7 @@
 //   --bench-one H T causal  the same for one grid config
 //   --settled  (before the modes) every timing as the library bench's settled loop: clocks of
 //          the sustained, power-capped run instead of boost (harness_v3_case.h, Timing)
+//   --default-tuning  (before the modes) bench modes time the library default tuning only
 //   --timeline H T causal [records.csv]  (builds of tests/gpu/build_v3_timeline.sh only)
 //          one grid config, library default tuning: the forward timed with and without the
 //          stamps stored, then one recorded launch (cuda/v3.h, v3_fwd_timeline), its output
@@ -369,6 +370,13 @@ double time_launches(Problem& pb, const V3Tuning& tuning, int warmup, int reps) 
                          reps);
 }
 
+// --default-tuning: the bench modes time only the library's default tuning (A/Bs of a change,
+// where the other variants would only make the call longer).
+bool& default_tuning_only() {
+  static bool only = false;
+  return only;
+}
+
 bool bench(const std::vector<Case>& cases, int reps) {
   bool all_ok = true;
   std::vector<std::string> table;
@@ -382,6 +390,13 @@ bool bench(const std::vector<Case>& cases, int reps) {
     std::snprintf(buf, sizeof buf, "%4ld %6ld %d", long(c.H), long(c.T), int(c.causal));
     line = buf;
     for (const Variant& var : kVariants) {
+      const V3Tuning d = jax_flash::V3DefaultTuning(c.H);
+      const bool is_default = d.conditional_rescale == var.tuning.conditional_rescale &&
+                              d.exp2_emulation_period == var.tuning.exp2_emulation_period;
+      if (default_tuning_only() && !is_default) {
+        line += "        .";
+        continue;
+      }
       pb.poison();
       const cudaError_t err = pb.run(var.tuning);
       if (err == cudaErrorNotSupported) {
@@ -393,9 +408,6 @@ bool bench(const std::vector<Case>& cases, int reps) {
       all_ok &= report(var.name, c, compare_rows(pb, rows, refs), count_nan(pb), true,
                        " (sampled)");
       const double ms = time_launches(pb, var.tuning, 3, reps);
-      const V3Tuning d = jax_flash::V3DefaultTuning(c.H);
-      const bool is_default = d.conditional_rescale == var.tuning.conditional_rescale &&
-                              d.exp2_emulation_period == var.tuning.exp2_emulation_period;
       std::snprintf(buf, sizeof buf, " %7.1f%s", c.forward_flops() / (ms * 1e-3) / 1e12,
                     is_default ? "*" : " ");
       line += buf;
@@ -701,7 +713,7 @@ bool timeline(const Case& c, const char* csv_path, int sm_count) {
 }  // namespace
 
 constexpr const char* kUsage =
-    "usage: %s [--settled] [check] [small] [bench] [--bench-one H T causal]\n"
+    "usage: %s [--settled] [--default-tuning] [check] [small] [bench] [--bench-one H T causal]\n"
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
     "       [--timeline H T causal [records.csv]]\n"
 #endif
@@ -718,6 +730,8 @@ int main(int argc, char** argv) {
     const std::string mode = argv[i];
     if (harness::settled_flag(mode)) {
       continue;
+    } else if (mode == "--default-tuning") {
+      default_tuning_only() = true;
     } else if (mode == "check") {
       uint64_t seed = 1;
       for (const Case& c : check_cases()) ok &= check_case(c, ++seed);
