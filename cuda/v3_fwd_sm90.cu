@@ -46,6 +46,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "divmod.h"
 #include "hopper.cuh"
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
 #include "timeline.cuh"
@@ -129,7 +130,7 @@ struct Params {
   float* lse;
   const int32_t* q_seqlens;   // may be null: all T rows valid
   const int32_t* kv_seqlens;  // may be null: all S keys valid
-  int batch, q_len, kv_len, num_heads, heads_per_kv;
+  int q_len, kv_len, num_heads;
   float scale_log2;   // exponent scale (log2 units) applied to the possibly capped score
   float softcap;      // 0 = off
   float softcap_inv;  // scale / softcap
@@ -137,7 +138,16 @@ struct Params {
   int window_right;   // causal folded in; -1 = unbounded
   int num_m_blocks;
   bool pair_m_blocks;  // a work unit is two m-blocks (see decode_tile)
-  int units_per_head, heads_per_group, num_units;
+  int num_units;
+  // The divisors of each tile's decode (decode_tile, produce_tile), prepared on the host
+  // (cuda/divmod.h): dividing by a runtime int costs an I2F / MUFU.RCP / F2I sequence each time.
+  DivMod div_group_units;       // units of a group: units per head * heads_per_group
+  DivMod div_group_heads;       // heads_per_group: (batch, head) pairs of a group
+  DivMod div_last_group_heads;  // pairs of the last group, fewer when heads_per_group does not
+                                // divide batch * num_heads
+  int last_group;               // the last group's index
+  DivMod div_num_heads;         // splits a (batch, head) pair index
+  DivMod div_heads_per_kv;      // query heads per kv head: a tile's kv head
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
   uint64_t* timeline;  // v3_fwd_timeline records (cuda/v3.h); null: none
 #endif
@@ -231,22 +241,22 @@ struct Tile {
 // Work units: CTA i runs units i, i + grid, ... A unit is one tile or, when the cost of a tile
 // grows with its m-block (causal without a left window), the pair of m-blocks {last - k, k},
 // so that every unit costs the same and the static assignment balances. Units come in groups
-// of heads_per_group (batch, head) pairs whose K / V fit in L2; inside a group the longest
-// m-blocks come first, heads innermost. Returns false when the unit has no `second` tile.
+// of heads_per_group (batch, head) pairs whose K / V fit in L2 (the last group may hold fewer);
+// inside a group the longest m-blocks come first, heads innermost. Returns false when the unit
+// has no `second` tile.
 template <class Cfg>
 __device__ bool decode_tile(const Params& p, int unit, bool second, Tile& t) {
-  const int per_group = p.units_per_head * p.heads_per_group;
-  const int group = unit / per_group;
-  const int in_group = unit - group * per_group;
-  const int first_bh = group * p.heads_per_group;
-  const int heads = min(p.heads_per_group, p.batch * p.num_heads - first_bh);
-  const int order = in_group / heads;
-  const int bh = first_bh + (in_group - order * heads);
+  int in_group, head_in_group;
+  const int group = p.div_group_units.divmod(unit, in_group);
+  // One call per divisor rather than a DivMod picked first: a picked copy made ptxas spill
+  // (~110 bytes) in the 192-row tile's consumers, which have 128 registers (nvcc 13.0).
+  const int order = group == p.last_group ? p.div_last_group_heads.divmod(in_group, head_in_group)
+                                           : p.div_group_heads.divmod(in_group, head_in_group);
+  const int bh = group * int(p.div_group_heads.divisor) + head_in_group;
   const int first_m_block = p.num_m_blocks - 1 - order;
   if (second && (!p.pair_m_blocks || order >= first_m_block)) return false;
 
-  t.batch = bh / p.num_heads;
-  t.head = bh - t.batch * p.num_heads;
+  t.batch = p.div_num_heads.divmod(bh, t.head);
   t.m_block = second ? order : first_m_block;
   t.q_rows = p.q_seqlens ? max(0, min(p.q_seqlens[t.batch], p.q_len)) : p.q_len;
   t.kv_cols = p.kv_seqlens ? max(0, min(p.kv_seqlens[t.batch], p.kv_len)) : p.kv_len;
@@ -275,7 +285,7 @@ template <class Cfg>
 __device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uint32_t smem,
                                              const BarrierAddresses& bars, int& block_count,
                                              int& q_count) {
-  const int kv_head = t.head / p.heads_per_kv;
+  const int kv_head = p.div_heads_per_kv.divide(t.head);
   const int q_buffer = q_count % Cfg::kQBuffers;
   const uint32_t q_phase = (q_count / Cfg::kQBuffers) & 1;
   ++q_count;
@@ -969,23 +979,30 @@ cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
   p.lse = a.lse;
   p.q_seqlens = a.q_seqlens;
   p.kv_seqlens = a.kv_seqlens;
-  p.batch = int(sh.batch);
   p.q_len = int(sh.q_len);
   p.kv_len = int(sh.kv_len);
   p.num_heads = int(sh.num_heads);
-  p.heads_per_kv = int(sh.num_heads / sh.num_kv_heads);
+  const int heads_per_kv = int(sh.num_heads / sh.num_kv_heads);
   const MaskSpec& spec = a.spec;
   set_score_params(p, spec);
   p.num_m_blocks = int((sh.q_len + Cfg::kBlockM - 1) / Cfg::kBlockM);
   // Causal without a left window: a tile's cost grows with its m-block; pair them up.
   p.pair_m_blocks = p.window_right >= 0 && p.window_left < 0;
-  p.units_per_head = p.pair_m_blocks ? (p.num_m_blocks + 1) / 2 : p.num_m_blocks;
+  const int units_per_head = p.pair_m_blocks ? (p.num_m_blocks + 1) / 2 : p.num_m_blocks;
   const int64_t kv_bytes_per_head = 2 * sh.kv_len * sh.head_dim * 2;
   const int64_t batch_heads = sh.batch * sh.num_heads;
-  p.heads_per_group = int(std::max<int64_t>(
-      1, std::min<int64_t>(batch_heads, kL2BudgetBytes / kv_bytes_per_head * p.heads_per_kv)));
-  p.num_units = int(p.units_per_head * batch_heads);
+  const int heads_per_group = int(std::max<int64_t>(
+      1, std::min<int64_t>(batch_heads, kL2BudgetBytes / kv_bytes_per_head * heads_per_kv)));
+  p.num_units = int(units_per_head * batch_heads);
   if (p.num_units == 0) return cudaSuccess;
+  // DivMod needs divisors and dividends below 2^31: the decode's dividends are below
+  // num_units, which V3ForwardUnsupportedReason keeps below 2^31, and so are its divisors.
+  p.div_group_units = DivMod(units_per_head * heads_per_group);
+  p.div_group_heads = DivMod(heads_per_group);
+  p.last_group = int((batch_heads - 1) / heads_per_group);
+  p.div_last_group_heads = DivMod(int(batch_heads) - p.last_group * heads_per_group);
+  p.div_num_heads = DivMod(p.num_heads);
+  p.div_heads_per_kv = DivMod(heads_per_kv);
 
   const auto kernel = v3_forward_kernel<Cfg>;
   cudaError_t err =

@@ -330,6 +330,10 @@ std::vector<Case> check_cases() {
   // left window with softcap, whose tiles alternate between one key block (not fused) and two.
   cs.push_back({bf, 1, 2048, 2048, 32, 8, 64});
   cs.push_back(Case{bf, 8, 512, 512, 8, 2, 128, true}.window(60, -1).capped(30.f));
+  // Units in more than one L2 group, the last one short (decode_tile): K / V of 40000 keys at
+  // head dim 64 put 2 of the 3 heads in a group; the causal one pairs its m-blocks.
+  cs.push_back({bf, 1, 200, 40000, 3, 3, 64});
+  cs.push_back({hf, 1, 600, 40000, 3, 3, 64, true});
   return cs;
 }
 

@@ -1,0 +1,186 @@
+// Host check of DivMod (cuda/divmod.h), the multiply-shift division of the v3 forward's tile
+// decode, against 64-bit integer division. Host code only: it runs on any machine.
+//   nvcc -O2 -std=c++17 tests/gpu/divmod_check.cu -o /tmp/divmod_check && /tmp/divmod_check
+//
+//   edges    divisors 1, 2, 3, 7, every 2^k and 2^k +- 1, 2^31 - 1: dividends 0, 1, around
+//            multiples of d, around 2^31 - 1, and random
+//   random   log-uniform random divisors, the same dividends
+//   every n  all 2^31 dividends for divisors with the largest rounding error m d - 2^p
+//            relative to d (just above a power of two) and the small and largest ones
+//   grid     the divisors launch() prepares for the 18 configs of BENCHMARK.md (and GQA / odd
+//            variants): every dividend the decode can see, and the decode's (group, order,
+//            batch, head) compared with the plain-division decode it replaced
+// Exit status: 0 when every check passed.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "../../cuda/divmod.h"
+
+using jax_flash::DivMod;
+
+namespace {
+
+constexpr int64_t kLimit = int64_t(1) << 31;  // dividends and divisors stay below this
+
+int64_t failures = 0;
+
+void expect(int64_t n, int64_t d, const DivMod& dm) {
+  int remainder = -1;
+  const int q = dm.divmod(int(n), remainder);
+  if (q != n / d || remainder != n % d || dm.divide(int(n)) != q) {
+    if (++failures <= 10)
+      std::printf("FAIL n=%lld d=%lld: got %d rem %d, want %lld rem %lld\n", (long long)n,
+                  (long long)d, q, remainder, (long long)(n / d), (long long)(n % d));
+  }
+}
+
+// Dividends where a multiply-shift division goes wrong first: next to multiples of d (the
+// largest remainders), near the top of the range (the largest error n e / 2^p), and random.
+int64_t check_dividends(int64_t d, std::mt19937_64& rng) {
+  const DivMod dm{int(d)};
+  int64_t count = 0;
+  const auto at = [&](int64_t n) {
+    if (n >= 0 && n < kLimit) {
+      expect(n, d, dm);
+      ++count;
+    }
+  };
+  for (int64_t n = 0; n < 64; ++n) at(n);
+  for (int64_t k = 1; k <= 64; ++k)
+    for (int64_t delta = -1; delta <= 1; ++delta) at(k * d + delta);
+  const int64_t top = (kLimit - 1) / d;  // the largest quotient
+  for (int64_t k = top - 64; k <= top; ++k)
+    for (int64_t delta = -1; delta <= 1; ++delta) at(k * d + delta);
+  for (int64_t n = kLimit - 64; n < kLimit; ++n) at(n);
+  std::uniform_int_distribution<int64_t> any(0, kLimit - 1);
+  for (int i = 0; i < 256; ++i) at(any(rng));
+  return count;
+}
+
+// Every dividend in [0, 2^31), the reference quotient and remainder counted up alongside.
+void check_every_dividend(int64_t d) {
+  const DivMod dm{int(d)};
+  int64_t q = 0, r = 0;
+  for (int64_t n = 0; n < kLimit; ++n) {
+    int remainder;
+    if (dm.divmod(int(n), remainder) != q || remainder != r) expect(n, d, dm);
+    if (++r == d) {
+      r = 0;
+      ++q;
+    }
+  }
+}
+
+// A forward problem as launch() in cuda/v3_fwd_sm90.cu sees it, and the divisors it prepares.
+struct Layout {
+  int64_t batch, num_heads, num_kv_heads, seq_len, head_dim, block_m;
+  bool causal;
+
+  int units_per_head() const {
+    const int m_blocks = int((seq_len + block_m - 1) / block_m);
+    return causal ? (m_blocks + 1) / 2 : m_blocks;
+  }
+  int batch_heads() const { return int(batch * num_heads); }
+  int heads_per_group() const {  // kL2BudgetBytes of K / V per group
+    const int64_t kv_bytes_per_head = 2 * seq_len * head_dim * 2;
+    const int64_t heads = (int64_t(24) << 20) / kv_bytes_per_head * (num_heads / num_kv_heads);
+    return int(std::max<int64_t>(1, std::min<int64_t>(batch_heads(), heads)));
+  }
+};
+
+// Every dividend of the decode's divisions for this layout, and its (group, order, batch, head)
+// per unit against the plain-division decode the kernel had before (cuda/v3_fwd_sm90.cu,
+// decode_tile).
+int64_t check_layout(const Layout& l) {
+  const int per_group = l.units_per_head() * l.heads_per_group();
+  const int batch_heads = l.batch_heads(), num_heads = int(l.num_heads);
+  const int heads_per_kv = int(l.num_heads / l.num_kv_heads);
+  const int last_group = (batch_heads - 1) / l.heads_per_group();
+  const DivMod group_units(per_group), group_heads(l.heads_per_group()), heads_of_pair(num_heads);
+  const DivMod last_group_heads(batch_heads - last_group * l.heads_per_group());
+  const DivMod kv_heads(heads_per_kv);
+  const int num_units = l.units_per_head() * batch_heads;
+  for (int n = 0; n < per_group; ++n) {
+    expect(n, group_heads.divisor, group_heads);
+    expect(n, last_group_heads.divisor, last_group_heads);
+  }
+  for (int n = 0; n < batch_heads; ++n) expect(n, num_heads, heads_of_pair);
+  for (int n = 0; n < num_heads; ++n) expect(n, heads_per_kv, kv_heads);
+  for (int unit = 0; unit < num_units; ++unit) {
+    expect(unit, per_group, group_units);
+    const int group = unit / per_group, in_group = unit % per_group;
+    const int heads = std::min(l.heads_per_group(), batch_heads - group * l.heads_per_group());
+    const int order = in_group / heads;
+    const int bh = group * l.heads_per_group() + in_group % heads;
+
+    int fast_in_group, fast_head_in_group, fast_head;
+    const int fast_group = group_units.divmod(unit, fast_in_group);
+    const int fast_order = fast_group == last_group
+                               ? last_group_heads.divmod(fast_in_group, fast_head_in_group)
+                               : group_heads.divmod(fast_in_group, fast_head_in_group);
+    const int fast_bh = fast_group * l.heads_per_group() + fast_head_in_group;
+    const int fast_batch = heads_of_pair.divmod(fast_bh, fast_head);
+    if (fast_group != group || fast_order != order || fast_batch != bh / num_heads ||
+        fast_head != bh % num_heads) {
+      if (++failures <= 10)
+        std::printf("FAIL decode unit %d: group %d order %d bh %d, fast %d %d %d\n", unit, group,
+                    order, bh, fast_group, fast_order, fast_bh);
+    }
+  }
+  std::printf("grid B=%ld N=%ld K=%ld T=%ld H=%ld block_m=%ld%s: units %d, per group %d, heads "
+              "per group %d, last group (number %d) %d heads\n",
+              long(l.batch), long(l.num_heads), long(l.num_kv_heads), long(l.seq_len),
+              long(l.head_dim), long(l.block_m), l.causal ? " causal" : "", num_units, per_group,
+              l.heads_per_group(), last_group, int(last_group_heads.divisor));
+  return num_units;
+}
+
+}  // namespace
+
+int main() {
+  std::mt19937_64 rng(20261201);
+  std::vector<int64_t> edges = {1, 2, 3, 5, 6, 7, 9, 10, 11, 12, 13, 25, 100, 641, 6700417};
+  for (int k = 1; k < 31; ++k)
+    for (int64_t delta = -1; delta <= 1; ++delta) edges.push_back((int64_t(1) << k) + delta);
+  int64_t count = 0;
+  for (int64_t d : edges)
+    if (d >= 1 && d < kLimit) count += check_dividends(d, rng);
+  std::printf("edges: %zu divisors, %lld dividends\n", edges.size(), (long long)count);
+
+  count = 0;
+  std::uniform_real_distribution<double> log2_d(0.0, 31.0);
+  for (int i = 0; i < 20000; ++i) {
+    const int64_t d = std::min(kLimit - 1, int64_t(std::exp2(log2_d(rng))));
+    count += check_dividends(std::max<int64_t>(1, d), rng);
+  }
+  std::printf("random: 20000 divisors, %lld dividends\n", (long long)count);
+
+  for (int64_t d : {int64_t(1), int64_t(3), int64_t(7), int64_t(96), (int64_t(1) << 30) + 1,
+                    kLimit - 1}) {
+    check_every_dividend(d);
+    std::printf("every n: d = %lld\n", (long long)d);
+  }
+
+  // BENCHMARK.md's grid: bf16, B T = 16384, N H = 2048, K = N; the block rows launch() uses
+  // (head dim 64: 192 from T = 2048 non-causal and T = 8192 causal, see use_tall_tile).
+  count = 0;
+  for (int64_t h : {64, 128, 256})
+    for (int64_t t : {1024, 4096, 16384})
+      for (bool causal : {false, true}) {
+        const bool tall = h == 64 && t >= (causal ? 8192 : 2048);
+        count += check_layout({16384 / t, 2048 / h, 2048 / h, t, h, tall ? 192 : 128, causal});
+      }
+  // GQA, a last group of one head, a single group, odd lengths.
+  count += check_layout({3, 48, 6, 3000, 128, 128, true});
+  count += check_layout({5, 7, 7, 20000, 128, 128, false});
+  count += check_layout({1, 4, 1, 777, 64, 128, true});
+  std::printf("grid: %lld units decoded\n", (long long)count);
+
+  std::printf("%s (%lld failures)\n", failures == 0 ? "ALL PASSED" : "SOME CHECKS FAILED",
+              (long long)failures);
+  return failures == 0 ? 0 : 1;
+}
