@@ -79,6 +79,11 @@ enum ConsumerEvent : int {
 };
 constexpr int kTileEvents = kConsumer + kMaxConsumers * kConsumerEvents;
 constexpr int kEvents = kTiles + kTileSlots * kTileEvents;
+// The record of tile event e of the CTA's tile number `tile` (the kernel stamps it, the harness
+// reads it).
+__host__ __device__ constexpr int tile_event(int tile, int e) {
+  return kTiles + (tile < 2 ? tile : 2 + (tile & 1)) * kTileEvents + e;
+}
 }  // namespace v3_fwd_timeline
 
 // From the next launch on, the forward kernel records into `records` (room for `ctas` CTAs,
@@ -173,6 +178,10 @@ enum ConsumerEvent : int {
 };
 constexpr int kEvents = 64;
 static_assert(kConsumer + 2 * kConsumerEvents <= kEvents);
+// The record of consumer event e of consumer warpgroup w (0 or 1).
+__host__ __device__ constexpr int consumer_event(int w, int e) {
+  return kConsumer + w * kConsumerEvents + e;
+}
 }  // namespace v3_bwd_timeline
 
 // From the next launch on, the main kernel records into `records` (room for `ctas` CTAs,

@@ -303,7 +303,7 @@ __device__ __forceinline__ void timeline_record_step(int event0, int it, int ste
   timeline_record_step(event0, it, steps, record)
 #define TIMELINE_CTA_INFO(steps, record) timeline::store_cta_info(tl::kCtaInfo, steps, record)
 // Event `e` of consumer warpgroup w (run_consumer's `warpgroup`: 0 or 1).
-#define TIMELINE_CONSUMER(w, e) (tl::kConsumer + (w) * tl::kConsumerEvents + tl::e)
+#define TIMELINE_CONSUMER(w, e) tl::consumer_event(w, tl::e)
 #else
 #define TIMELINE_START(p, record)
 #define TIMELINE_EVENT(event, record)
@@ -766,12 +766,12 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, c
   }
 }
 
-// The epilogue of the default grid (and of the GQA schedule without a split): dK = scale * dK
-// and dV, this warpgroup's 64 key rows (key_row0: its first row in the block) x kGradCols
-// head-dim columns (from grad_col0), converted and written with stmatrix over the same rows and
-// columns of the K and V tiles in shared memory (the layout TMA loaded them in: 64-column slabs of
-// 128-byte swizzled rows), then stored by thread 0 of the warpgroup with one TMA store per slab
-// and tensor (tma_dk / tma_dv; TMA leaves out the rows past kv_len). That thread waits only until
+// The epilogue of the default grid (and of the GQA schedule without a split) at head dims 64 /
+// 128: dK = scale * dK and dV, this warpgroup's 64 key rows (key_row0: its first row in the
+// block) x the whole head dim, converted and written with stmatrix over the same rows of the K
+// and V tiles in shared memory (the layout TMA loaded them in: 64-column slabs of 128-byte
+// swizzled rows), then stored by thread 0 of the warpgroup with one TMA store per slab and
+// tensor (tma_dk / tma_dv; TMA leaves out the rows past kv_len). That thread waits only until
 // the stores have read shared memory (the CTA must not exit before); the global writes complete
 // on their own. Before: 4-byte stores straight from the accumulator layout, 3.9 us per CTA at
 // H = 128 (docs/perf-notes-v3.md, timeline). The caller guarantees that no GEMM reads those K /
@@ -779,9 +779,10 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, c
 template <class Cfg>
 __device__ __forceinline__ void store_key_gradients(const BwdParams& p, const KeyBlock& kb,
                                                     uint32_t smem, int warpgroup, int thread,
-                                                    int key_row0, int grad_col0,
+                                                    int key_row0,
                                                     float (&dk)[Cfg::kGradCols / 2],
                                                     const float (&dv)[Cfg::kGradCols / 2]) {
+  static_assert(!Cfg::kSplitHeadDim, "head dim 256 stores dK / dV from registers");
   using Element = typename Cfg::Element;
   constexpr int kSteps = Cfg::kGradCols / 16;
   constexpr uint32_t kSlabBytes = Cfg::kBlockN * 128;
@@ -792,20 +793,19 @@ __device__ __forceinline__ void store_key_gradients(const BwdParams& p, const Ke
   {
     uint32_t a[kSteps][4];
     accumulator_to_fragments<Element>(dk, a);
-    store_fragments_swizzled(k_tile, kSlabBytes, warp_row0, grad_col0, thread % 32, a);
+    store_fragments_swizzled(k_tile, kSlabBytes, warp_row0, 0, thread % 32, a);
   }
   {
     uint32_t a[kSteps][4];
     accumulator_to_fragments<Element>(dv, a);
-    store_fragments_swizzled(v_tile, kSlabBytes, warp_row0, grad_col0, thread % 32, a);
+    store_fragments_swizzled(v_tile, kSlabBytes, warp_row0, 0, thread % 32, a);
   }
   fence_proxy_async_shared();  // the generic-proxy stores, before TMA (async proxy) reads them
   named_barrier_sync(kKeyGradStagedBarrier + warpgroup, 128);
   const int key_lo = kb.n_block * Cfg::kBlockN + key_row0;
   if (thread == 0 && key_lo < p.kv_len) {
 #pragma unroll
-    for (int s = 0; s < Cfg::kGradCols / 64; ++s) {
-      const int slab = grad_col0 / 64 + s;
+    for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
       const uint32_t rows = slab * kSlabBytes + key_row0 * 128;
       tma_store_box(&p.tma_dk, k_tile + rows, 64 * slab, key_lo, kb.kv_head, kb.batch);
       tma_store_box(&p.tma_dv, v_tile + rows, 64 * slab, key_lo, kb.kv_head, kb.batch);
@@ -851,15 +851,15 @@ __device__ __forceinline__ void store_key_gradient_rows(const BwdParams& p, Out*
 template <class Cfg>
 __device__ __forceinline__ void write_key_gradients(const BwdParams& p, const KeyBlock& kb,
                                                     uint32_t smem, int warpgroup, int thread,
-                                                    int key_row0, int key0, int grad_col0,
-                                                    int col0, float (&dk)[Cfg::kGradCols / 2],
+                                                    int key_row0, int key0, int col0,
+                                                    float (&dk)[Cfg::kGradCols / 2],
                                                     const float (&dv)[Cfg::kGradCols / 2]) {
   using Element = typename Cfg::Element;
   if constexpr (Cfg::kSplitHeadDim) {
     store_key_gradient_rows<Cfg>(p, static_cast<Element*>(p.dk), kb, key0, col0, dk, p.scale);
     store_key_gradient_rows<Cfg>(p, static_cast<Element*>(p.dv), kb, key0, col0, dv, 1.f);
   } else {
-    store_key_gradients<Cfg>(p, kb, smem, warpgroup, thread, key_row0, grad_col0, dk, dv);
+    store_key_gradients<Cfg>(p, kb, smem, warpgroup, thread, key_row0, dk, dv);
   }
 }
 
@@ -1071,12 +1071,12 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
       store_key_gradient_rows<Cfg>(p, p.dkv_partial + (p.kv_split + split) * p.dkv_slot_elems,
                                    out, key0, lane.col0 + grad_col0, dv, 1.f);
     } else {
-      write_key_gradients<Cfg>(p, out, smem, warpgroup, thread, key_row0, key0, grad_col0,
+      write_key_gradients<Cfg>(p, out, smem, warpgroup, thread, key_row0, key0,
                                lane.col0 + grad_col0, dk, dv);
     }
     return;
   }
-  write_key_gradients<Cfg>(p, kb, smem, warpgroup, thread, key_row0, key0, grad_col0,
+  write_key_gradients<Cfg>(p, kb, smem, warpgroup, thread, key_row0, key0,
                            lane.col0 + grad_col0, dk, dv);
 }
 
@@ -1353,22 +1353,23 @@ constexpr double kReduceLaunchSteps = 1.0;
 // the rule pick the measured fastest of s = 1, 2, 4 on all three.
 constexpr double kUnsplitGqaFactor = 1.08;
 
-// The main kernel's keys per CTA and queries per step at a head dim (its BwdConfig; the element
-// type does not change them).
+// The main kernel's keys per CTA (n) and queries per step (m) at a head dim (its BwdConfig; the
+// element type does not change them).
+struct BlockSizes {
+  int n, m;
+};
 template <int kHeadDim>
-using BlocksOf = typename BwdConfigFor<__nv_bfloat16, kHeadDim>::type;
-int key_block_size(int64_t head_dim) {
-  return head_dim == 64    ? BlocksOf<64>::kBlockN
-         : head_dim == 128 ? BlocksOf<128>::kBlockN
-                           : BlocksOf<256>::kBlockN;
+constexpr BlockSizes block_sizes_of() {
+  using Cfg = typename BwdConfigFor<__nv_bfloat16, kHeadDim>::type;
+  return {Cfg::kBlockN, Cfg::kBlockM};
 }
-int query_block_size(int64_t head_dim) {
-  return head_dim == 64    ? BlocksOf<64>::kBlockM
-         : head_dim == 128 ? BlocksOf<128>::kBlockM
-                           : BlocksOf<256>::kBlockM;
+BlockSizes block_sizes(int64_t head_dim) {
+  return head_dim == 64    ? block_sizes_of<64>()
+         : head_dim == 128 ? block_sizes_of<128>()
+                           : block_sizes_of<256>();
 }
 int64_t key_blocks(const AttentionShape& sh) {
-  const int bn = key_block_size(sh.head_dim);
+  const int bn = block_sizes(sh.head_dim).n;
   return (sh.kv_len + bn - 1) / bn;
 }
 
@@ -1392,11 +1393,10 @@ int64_t dkv_slot_elems(const AttentionShape& sh) {
 
 // Steps of one head over key block n (full lengths), as key_block_of counts them.
 int64_t steps_per_head(const AttentionShape& sh, const BwdParams& p, int64_t n) {
-  const int64_t bn = key_block_size(sh.head_dim);
-  const int64_t c0 = n * bn, c1 = std::min(c0 + bn, sh.kv_len) - 1;
+  const BlockSizes blocks = block_sizes(sh.head_dim);
+  const int64_t c0 = n * blocks.n, c1 = std::min(c0 + blocks.n, sh.kv_len) - 1;
   int64_t begin, end;
-  kept_query_blocks(c0, c1, sh.q_len, p.window_left, p.window_right,
-                    query_block_size(sh.head_dim), &begin, &end);
+  kept_query_blocks(c0, c1, sh.q_len, p.window_left, p.window_right, blocks.m, &begin, &end);
   return end - begin;
 }
 
@@ -1613,7 +1613,11 @@ void V3BackwardSetTimeline(uint64_t* records, int64_t ctas) {
 }
 #endif
 
-const char* V3BackwardUnsupportedReason(const BackwardArgs& a) {
+namespace {
+
+// V3BackwardUnsupportedReason on a device of `info` (null: none could be queried), which the
+// entry points query once per call.
+const char* unsupported_reason(const BackwardArgs& a, const DeviceInfo* info) {
   const AttentionShape& sh = a.fwd.shape;
   if (a.fwd.dtype != DType::kBF16 && a.fwd.dtype != DType::kF16)
     return "v3 backward needs bfloat16 or float16";
@@ -1636,13 +1640,10 @@ const char* V3BackwardUnsupportedReason(const BackwardArgs& a) {
     return "v3 backward launches batch and heads on grid dimensions of at most 65535";
   if (padded_rows(sh.q_len) >= (int64_t(1) << 31) || sh.kv_len >= (int64_t(1) << 31))
     return "v3 backward indexes rows with 32-bit integers";
-  DeviceInfo info;
-  if (current_device_info(&info) != cudaSuccess) return "no CUDA device";
-  if (info.major != 9 || info.minor != 0) return "v3 backward needs an sm_90 (Hopper) device";
+  if (info == nullptr) return "no CUDA device";
+  if (info->major != 9 || info->minor != 0) return "v3 backward needs an sm_90 (Hopper) device";
   return nullptr;
 }
-
-namespace {
 
 // The schedule V3BackwardScheduled runs: kv_split 0 = choose_schedule's, else kv_split as given
 // (-1 = the default grid). Returns -2 for a kv_split this call cannot take.
@@ -1662,16 +1663,21 @@ int resolve_split(const BackwardArgs& args, const V3BackwardWorkspace& workspace
 
 }  // namespace
 
+const char* V3BackwardUnsupportedReason(const BackwardArgs& a) {
+  DeviceInfo info;
+  return unsupported_reason(a, current_device_info(&info) == cudaSuccess ? &info : nullptr);
+}
+
 cudaError_t V3BackwardScheduled(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
                                 bool deterministic, int kv_split, cudaStream_t stream) {
-  if (V3BackwardUnsupportedReason(args) != nullptr) return cudaErrorInvalidValue;
+  DeviceInfo info;
+  const bool have_device = current_device_info(&info) == cudaSuccess;
+  if (unsupported_reason(args, have_device ? &info : nullptr) != nullptr)
+    return cudaErrorInvalidValue;
   if (workspace.dq_accum == nullptr || workspace.dsum == nullptr ||
       workspace.lse_log2 == nullptr || (deterministic && workspace.dq_semaphore == nullptr))
     return cudaErrorInvalidValue;
   if (args.fwd.shape.batch * args.fwd.shape.num_heads == 0) return cudaSuccess;
-  DeviceInfo info;
-  cudaError_t err = current_device_info(&info);
-  if (err != cudaSuccess) return err;
   const int split = resolve_split(args, workspace, deterministic, kv_split, info.sm_count);
   if (split == -2) return cudaErrorInvalidValue;
   const int sms = info.sm_count;

@@ -158,25 +158,19 @@ struct Params {
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
 namespace tl = v3_fwd_timeline;
 
-// The record of tile event e of the CTA's tile number `tile` (slots: see tl::kTileSlots).
-__device__ __forceinline__ int timeline_tile_event(int tile, int e) {
-  const int slot = tile < 2 ? tile : 2 + (tile & 1);
-  return tl::kTiles + slot * tl::kTileEvents + e;
-}
-
 #define TIMELINE_START(p, record)                                   \
   do {                                                              \
     if (record) timeline::set_cta_records(p.timeline, tl::kEvents); \
   } while (0)
 #define TIMELINE_EVENT(event, record) timeline::stamp(event, record)
 #define TIMELINE_TILE_EVENT(tile, e, record) \
-  timeline::stamp(timeline_tile_event(tile, tl::e), record)
+  timeline::stamp(tl::tile_event(tile, tl::e), record)
 #define TIMELINE_CONSUMER_EVENT(c, tile, e)                                                   \
   timeline::stamp(                                                                            \
-      timeline_tile_event(tile, tl::kConsumer + (c).warpgroup * tl::kConsumerEvents + tl::e), \
+      tl::tile_event(tile, tl::kConsumer + (c).warpgroup * tl::kConsumerEvents + tl::e), \
       (c).leader)
 #define TIMELINE_TILE_SHAPE(tile, t)                                                         \
-  timeline::store_values(timeline_tile_event(tile, tl::kTileShape), (t).m_block,            \
+  timeline::store_values(tl::tile_event(tile, tl::kTileShape), (t).m_block,            \
                          (t).n_max - (t).n_min, true)
 #define TIMELINE_CTA_INFO(tiles, record) timeline::store_cta_info(tl::kCtaInfo, tiles, record)
 #else
@@ -1061,9 +1055,9 @@ cudaError_t dispatch(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
              : dispatch_head_dim<__half>(a, tuning, sm_count, stream);
 }
 
-}  // namespace
-
-const char* V3ForwardUnsupportedReason(const ForwardArgs& a) {
+// V3ForwardUnsupportedReason on a device of `info` (null: none could be queried), which the
+// entry points query once per call.
+const char* unsupported_reason(const ForwardArgs& a, const DeviceInfo* info) {
   const AttentionShape& sh = a.shape;
   if (a.dtype != DType::kBF16 && a.dtype != DType::kF16) return "v3 needs bfloat16 or float16";
   if (sh.head_dim != 64 && sh.head_dim != 128 && sh.head_dim != 256)
@@ -1081,17 +1075,23 @@ const char* V3ForwardUnsupportedReason(const ForwardArgs& a) {
   for (const void* p : {a.q, a.k, a.v, static_cast<const void*>(a.out)})
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
       return "v3 needs q, k, v and out 16-byte aligned (TMA)";
-  DeviceInfo info;
-  if (current_device_info(&info) != cudaSuccess) return "no CUDA device";
-  if (info.major != 9 || info.minor != 0) return "v3 needs an sm_90 (Hopper) device";
+  if (info == nullptr) return "no CUDA device";
+  if (info->major != 9 || info->minor != 0) return "v3 needs an sm_90 (Hopper) device";
   return nullptr;
 }
 
-cudaError_t V3ForwardTuned(const ForwardArgs& args, const V3Tuning& tuning, cudaStream_t stream) {
-  if (V3ForwardUnsupportedReason(args) != nullptr) return cudaErrorInvalidValue;
+}  // namespace
+
+const char* V3ForwardUnsupportedReason(const ForwardArgs& a) {
   DeviceInfo info;
-  const cudaError_t err = current_device_info(&info);
-  if (err != cudaSuccess) return err;
+  return unsupported_reason(a, current_device_info(&info) == cudaSuccess ? &info : nullptr);
+}
+
+cudaError_t V3ForwardTuned(const ForwardArgs& args, const V3Tuning& tuning, cudaStream_t stream) {
+  DeviceInfo info;
+  const bool have_device = current_device_info(&info) == cudaSuccess;
+  if (unsupported_reason(args, have_device ? &info : nullptr) != nullptr)
+    return cudaErrorInvalidValue;
   return dispatch(args, tuning, info.sm_count, stream);
 }
 

@@ -438,12 +438,6 @@ const char* const kTimelineConsumerEventNames[tl::kConsumerEvents] = {
     "q_wait", "q_full", "first_turn", "first_scores", "first_block_done",
     "loop_done", "last_pv_turn", "last_pv_done", "stored"};
 
-// The record of tile event e of tile number `tile` (the kernel's timeline_tile_event).
-int timeline_tile_record(int tile, int e) {
-  const int slot = tile < 2 ? tile : 2 + (tile & 1);
-  return tl::kTiles + slot * tl::kTileEvents + e;
-}
-
 // Column names of record e (CSV header). Slot s holds tile s for s < 2, else the CTA's last
 // tile k with k % 2 == s - 2 (see tl::kTileSlots).
 std::pair<std::string, std::string> timeline_columns(int e) {
@@ -469,11 +463,11 @@ struct FwdCtaTimeline : harness::timeline::CtaRecords {  // tl::kEvents records
   // Tile number of kind k (0, 1, n-2, n-1).
   int tile_of_kind(int k) const { return k < 2 ? k : tiles - kTimelineTileKinds + k; }
   int key_blocks(int tile) const {
-    return int(rec[2 * timeline_tile_record(tile, tl::kTileShape) + 1]);
+    return int(rec[2 * tl::tile_event(tile, tl::kTileShape) + 1]);
   }
-  int producer(int tile, int e) const { return timeline_tile_record(tile, e); }
+  int producer(int tile, int e) const { return tl::tile_event(tile, e); }
   int consumer(int w, int tile, int e) const {
-    return timeline_tile_record(tile, tl::kConsumer + w * tl::kConsumerEvents + e);
+    return tl::tile_event(tile, tl::kConsumer + w * tl::kConsumerEvents + e);
   }
   // The CTA's end: the latest consumer exit.
   int exit_event() const {

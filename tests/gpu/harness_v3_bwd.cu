@@ -292,6 +292,18 @@ Errors compare(const std::vector<uint16_t>& got, const Ref& ref, DType dtype) {
   return e;
 }
 
+// The errors of gradients g (dq, dk, dv) against ref.
+void compare_grads(const Problem::Grads& g, const RefGrads& ref, DType dtype, Errors (&e)[3]) {
+  e[0] = compare(g.dq, ref.dq, dtype);
+  e[1] = compare(g.dk, ref.dk, dtype);
+  e[2] = compare(g.dv, ref.dv, dtype);
+}
+
+// Another run's gradients, widened, as the reference of a comparison between two runs.
+RefGrads as_reference(const Problem::Grads& g, DType dtype) {
+  return {to_double(g.dq, dtype), to_double(g.dk, dtype), to_double(g.dv, dtype)};
+}
+
 // Gradients are O(1) here (random normal inputs and dout); bf16 rounds P, dS and the outputs.
 bool within_tolerance(const Errors& e, DType dtype) {
   const double rel = dtype == DType::kBF16 ? 2e-2 : 5e-3;
@@ -366,39 +378,50 @@ std::vector<Case> split_cases() {
   return cs;
 }
 
-bool check_case(const Case& c, uint64_t seed);
+// The float64 gradients of pb's inputs.
+RefGrads reference_of(const Problem& pb) {
+  return reference(pb.c, to_host16(pb.q, pb.q_elems()), to_host16(pb.k, pb.kv_elems()),
+                   to_host16(pb.v, pb.kv_elems()), to_host16(pb.dout, pb.q_elems()));
+}
+
+// One v3 schedule (split: 0 = the rule, -1 = the default grid, S >= 1 = the GQA schedule) in one
+// mode against ref, on poisoned outputs; the deterministic mode runs twice and must give bitwise
+// equal gradients. A launch error is a FAIL line. `extra` goes before the repeatability note.
+bool check_v3_schedule(Problem& pb, const RefGrads& ref, int split, bool det, const char* what,
+                       const std::string& extra) {
+  const Case& c = pb.c;
+  pb.poison();
+  const cudaError_t err = pb.launch_v3_split(det, split);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  if (err != cudaSuccess) {
+    std::printf("FAIL split=%d det=%d launch error %s %s\n", split, int(det),
+                cudaGetErrorString(err), c.describe().c_str());
+    return false;
+  }
+  const Problem::Grads first = pb.fetch();
+  bool repeatable = true;
+  if (det) {
+    pb.poison();
+    CUDA_CHECK(pb.launch_v3_split(det, split));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    repeatable = first == pb.fetch();
+  }
+  Errors e[3];
+  compare_grads(first, ref, c.dtype, e);
+  const char* note = det ? (repeatable ? " bitwise-repeatable" : " NOT-REPEATABLE") : "";
+  return report(what, c, e, repeatable, (extra + note).c_str());
+}
 
 bool check_split_case(const Case& c, uint64_t seed) {
   Problem pb(c, seed);
-  const RefGrads ref = reference(c, to_host16(pb.q, pb.q_elems()), to_host16(pb.k, pb.kv_elems()),
-                                 to_host16(pb.v, pb.kv_elems()), to_host16(pb.dout, pb.q_elems()));
+  const RefGrads ref = reference_of(pb);
   bool ok = true;
   for (const int split : pb.schedules()) {
     for (const bool det : {false, true}) {
-      pb.poison();
-      const cudaError_t err = pb.launch_v3_split(det, split);
-      CUDA_CHECK(cudaDeviceSynchronize());
-      if (err != cudaSuccess) {
-        std::printf("FAIL split=%d det=%d launch error %s %s\n", split, int(det),
-                    cudaGetErrorString(err), c.describe().c_str());
-        ok = false;
-        continue;
-      }
-      const Problem::Grads first = pb.fetch();
-      bool repeatable = true;
-      if (det) {
-        pb.poison();
-        CUDA_CHECK(pb.launch_v3_split(det, split));
-        CUDA_CHECK(cudaDeviceSynchronize());
-        repeatable = first == pb.fetch();
-      }
-      Errors e[3] = {compare(first.dq, ref.dq, c.dtype), compare(first.dk, ref.dk, c.dtype),
-                     compare(first.dv, ref.dv, c.dtype)};
-      char what[64], extra[96];
+      char what[64], extra[32];
       std::snprintf(what, sizeof what, "%s s=%d", det ? "v3-det" : "v3", split);
-      std::snprintf(extra, sizeof extra, " rule=%d%s", pb.chosen_split(det),
-                    det ? (repeatable ? " bitwise-repeatable" : " NOT-REPEATABLE") : "");
-      ok &= report(what, c, e, repeatable, extra);
+      std::snprintf(extra, sizeof extra, " rule=%d", pb.chosen_split(det));
+      ok &= check_v3_schedule(pb, ref, split, det, what, extra);
     }
   }
   return ok;
@@ -406,37 +429,14 @@ bool check_split_case(const Case& c, uint64_t seed) {
 
 bool check_case(const Case& c, uint64_t seed) {
   Problem pb(c, seed);
-  const RefGrads ref = reference(c, to_host16(pb.q, pb.q_elems()), to_host16(pb.k, pb.kv_elems()),
-                                 to_host16(pb.v, pb.kv_elems()), to_host16(pb.dout, pb.q_elems()));
-  const auto errors_of = [&](const Problem::Grads& g, Errors (&e)[3]) {
-    e[0] = compare(g.dq, ref.dq, c.dtype);
-    e[1] = compare(g.dk, ref.dk, c.dtype);
-    e[2] = compare(g.dv, ref.dv, c.dtype);
-  };
-  bool ok = true;
-  Errors e[3];
-  pb.poison();
-  CUDA_CHECK(pb.launch_v3(false));
-  CUDA_CHECK(cudaDeviceSynchronize());
-  errors_of(pb.fetch(), e);
-  ok &= report("v3", c, e, true, "");
-
-  pb.poison();
-  CUDA_CHECK(pb.launch_v3(true));
-  CUDA_CHECK(cudaDeviceSynchronize());
-  const Problem::Grads first = pb.fetch();
-  pb.poison();
-  CUDA_CHECK(pb.launch_v3(true));
-  CUDA_CHECK(cudaDeviceSynchronize());
-  const Problem::Grads second = pb.fetch();
-  const bool repeatable = first == second;
-  errors_of(second, e);
-  ok &= report("v3-determ", c, e, repeatable, repeatable ? " bitwise-repeatable" : " NOT-REPEATABLE");
-
+  const RefGrads ref = reference_of(pb);
+  bool ok = check_v3_schedule(pb, ref, 0, false, "v3", "");
+  ok &= check_v3_schedule(pb, ref, 0, true, "v3-determ", "");
   pb.poison();
   CUDA_CHECK(pb.launch_v2());
   CUDA_CHECK(cudaDeviceSynchronize());
-  errors_of(pb.fetch(), e);
+  Errors e[3];
+  compare_grads(pb.fetch(), ref, c.dtype, e);
   ok &= report("v2", c, e, true, "");
   return ok;
 }
@@ -463,9 +463,8 @@ bool bench(const std::vector<Case>& cases, int reps, int64_t v2_from_head_dim) {
       CUDA_CHECK(pb.launch_v3(false));
       CUDA_CHECK(cudaDeviceSynchronize());
       const Problem::Grads v3 = pb.fetch();
-      Errors e[3] = {compare(v3.dq, to_double(v2.dq, c.dtype), c.dtype),
-                     compare(v3.dk, to_double(v2.dk, c.dtype), c.dtype),
-                     compare(v3.dv, to_double(v2.dv, c.dtype), c.dtype)};
+      Errors e[3];
+      compare_grads(v3, as_reference(v2, c.dtype), c.dtype, e);
       all_ok &= report("v3 vs v2", c, e, true, "");
     }
     const double fwd = median_event_ms([&] { CUDA_CHECK(pb.launch_forward()); }, 3, reps);
@@ -545,17 +544,15 @@ bool bench_gqa(const std::vector<Case>& cases, int reps) {
     pb.poison();
     CUDA_CHECK(pb.launch_v3_split(false, -1));
     CUDA_CHECK(cudaDeviceSynchronize());
-    const Problem::Grads base = pb.fetch();
-    const std::vector<double> bq = to_double(base.dq, c.dtype), bk = to_double(base.dk, c.dtype),
-                              bv = to_double(base.dv, c.dtype);
+    const RefGrads base = as_reference(pb.fetch(), c.dtype);
     for (const int split : schedules) {
       for (const bool det : {false, true}) {
         pb.poison();
         CUDA_CHECK(pb.launch_v3_split(det, split));
         CUDA_CHECK(cudaDeviceSynchronize());
         const Problem::Grads g = pb.fetch();
-        Errors e[3] = {compare(g.dq, bq, c.dtype), compare(g.dk, bk, c.dtype),
-                       compare(g.dv, bv, c.dtype)};
+        Errors e[3];
+        compare_grads(g, base, c.dtype, e);
         char what[64];
         std::snprintf(what, sizeof what, "%s%s vs default", schedule_name(split), det ? "-det" : "");
         all_ok &= report(what, c, e, true, "");
@@ -609,10 +606,9 @@ namespace tl = jax_flash::v3_bwd_timeline;
 using harness::timeline::print_spread;
 using harness::timeline::spread;
 using harness::timeline::Spread;
+using tl::consumer_event;
 
 constexpr int kTimelineUsedEvents = tl::kConsumer + 2 * tl::kConsumerEvents;
-
-int consumer_event(int w, int e) { return tl::kConsumer + w * tl::kConsumerEvents + e; }
 
 // The traced steps by slot (n = the CTA's steps).
 const char* const kTimelineSlots[tl::kTracedSteps] = {"0", "1", "2", "n-3", "n-2", "n-1"};
