@@ -898,7 +898,6 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   constexpr bool kComputesDq = kRole != DqRole::kHelper;
   static_assert(kSplit == (kRole == DqRole::kShared));
   const int thread = threadIdx.x % 128;
-  const bool warp_leader = thread % 32 == 0;
   const Lane lane = Lane::of(thread);
   // This warpgroup's part of the block: key rows [key_row0, key_row0 + 64), S^T / dP^T query
   // columns [query_col0, query_col0 + kScoreCols), dK / dV head-dim columns from grad_col0.
@@ -958,11 +957,10 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     TIMELINE_STEP_EVENT(TIMELINE_CONSUMER(warpgroup, kScoresDone), it, kb.steps, thread == 0);
     fence_registers(s);
     fence_registers(dk);
-    // The previous step's stage is free: every lane's lse / D reads of it (probabilities,
-    // score_gradients) are ordered before the leader's release by the __syncwarp, not only by
-    // the warp's convergence.
-    __syncwarp();
-    if (it > 0 && warp_leader) mbarrier_arrive(bars.empty + 8 * last_stage);
+    // The previous step's stage is free: every consumer thread releases its own lse / D reads
+    // of it (probabilities, score_gradients) by arriving itself (racecheck experiment: with one
+    // arrival per warp after a __syncwarp racecheck reported the next bulk copy into the stage).
+    if (it > 0) mbarrier_arrive(bars.empty + 8 * last_stage);
     if (p.softcap == 0.f) probabilities<Cfg>(s, p, kept, lse, query0, lane.col0);
     wgmma_wait<0>();
     fence_registers(dp);
@@ -1090,7 +1088,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const uint32_t raw = smem_address(smem_raw);
   const uint32_t smem = (raw + 1023) & ~1023u;
   const BwdBarriers bars = BwdBarriers::at<Cfg>(smem + Cfg::kBarrierOffset);
-  constexpr uint32_t kEmptyArrivals = 4 * Cfg::kConsumerWarpgroups;  // one per consumer warp
+  constexpr uint32_t kEmptyArrivals = 128 * Cfg::kConsumerWarpgroups;  // every consumer thread
   if (threadIdx.x == 0) {
     mbarrier_init(bars.kv_full, 1);
     for (int s = 0; s < Cfg::kStages; ++s) {
