@@ -51,10 +51,9 @@ __device__ __forceinline__ void store_values(int event, uint64_t first, uint64_t
 
 // Value record `event` := (%smid, count).
 __device__ __forceinline__ void store_cta_info(int event, uint64_t count, bool record) {
-  if (!record || cta_records == nullptr) return;
   uint32_t smid;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-  *reinterpret_cast<ulonglong2*>(cta_records + 2 * event) = make_ulonglong2(smid, count);
+  store_values(event, smid, count, record);
 }
 
 // Host: the record buffer a V3*SetTimeline call registered (null: none), checked against each
