@@ -958,8 +958,8 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     fence_registers(s);
     fence_registers(dk);
     // The previous step's stage is free: every consumer thread releases its own lse / D reads
-    // of it (probabilities, score_gradients) by arriving itself (racecheck experiment: with one
-    // arrival per warp after a __syncwarp racecheck reported the next bulk copy into the stage).
+    // of it (probabilities, score_gradients) by arriving itself. With one arrival per warp after
+    // a __syncwarp, racecheck reported the next bulk copy into the stage as racing those reads.
     if (it > 0) mbarrier_arrive(bars.empty + 8 * last_stage);
     if (p.softcap == 0.f) probabilities<Cfg>(s, p, kept, lse, query0, lane.col0);
     wgmma_wait<0>();
