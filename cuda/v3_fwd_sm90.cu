@@ -15,8 +15,8 @@
 //     softmax of S_j runs while the tensor cores still work on PV_{j+1}.
 //   * inter-warpgroup ("pingpong"): a ring of named barriers lets one consumer warpgroup issue
 //     its GEMMs at a time, so one warpgroup's softmax overlaps the other's GEMMs.
-//   * across tiles (head dims 64 and 128, where two Q buffers fit): the producer loads the next
-//     tile's Q while this one runs; a tile's last PV GEMM is issued together with the next
+//   * across tiles (head dims 64 and 128, where three Q buffers fit): the producer loads the
+//     next tiles' Q while this one runs; a tile's last PV GEMM is issued together with the next
 //     tile's first S GEMM, like S_j with PV_{j+1} inside a tile (consume_tile), and each
 //     consumer warpgroup then writes the finished output into its own rows of that tile's Q
 //     buffer and stores it with TMA (stage_output). Head dim 256 runs the last PV alone and
@@ -96,12 +96,13 @@ struct Config {
   static constexpr int smem_bytes(int q_buffers) {
     return barrier_offset(q_buffers) + 8 * (2 * q_buffers + 4 * kStages) + 1024;
   }
-  // Two Q buffers where they fit (head dims 64 and 128; not 256): the next tile's Q loads while
-  // this tile runs, and each tile's output is staged in its own Q buffer and stored by TMA (see
-  // stage_output). With one buffer, Q waits for the previous tile's last S GEMM and the output
-  // goes from registers to global memory.
-  static constexpr int kQBuffers = smem_bytes(2) <= kSmemLimit ? 2 : 1;
-  static constexpr bool kStageOutput = kQBuffers == 2;
+  // Three Q buffers where they fit (head dims 64 and 128; not 256): the next tile's Q loads
+  // while this tile runs, and each tile's output is staged in its own Q buffer and stored by TMA
+  // (see stage_output); the third lets every tile, one key block long or not, take the previous
+  // tile's last PV (release_staged_q). With one buffer, Q waits for the previous tile's last S
+  // GEMM and the output goes from registers to global memory.
+  static constexpr int kQBuffers = smem_bytes(3) <= kSmemLimit ? 3 : 1;
+  static constexpr bool kStageOutput = kQBuffers > 1;
   static constexpr int kKOffset = kv_offset(kQBuffers);
   static constexpr int kVOffset = kKOffset + kStages * kKVBytes;
   static constexpr int kBarrierOffset = barrier_offset(kQBuffers);
@@ -595,7 +596,7 @@ __device__ __forceinline__ uint32_t block_phase(int block) {
 // of this warpgroup reads any more) goes to shared memory in the layout TMA loaded Q in, then one
 // thread stores it with TMA, so that the warpgroup can start its next tile while the store
 // runs. The Q buffer is released to the producer once the store has read it (release_staged_q,
-// during the warpgroup's next GEMMs), which is why this needs two Q buffers.
+// during the warpgroup's next GEMMs), which is why this needs more than one Q buffer.
 template <class Cfg>
 __device__ __forceinline__ void stage_output(const Params& p, const FinishedTile& f,
                                              const ConsumerState& c,
@@ -666,10 +667,11 @@ __device__ __forceinline__ void take_output(const BarrierAddresses& bars, const 
 
 // Hands the Q buffer of the last staged output store back to the producer once the store has
 // read it (only the issuing thread can wait for that). Called after each GEMM issue, so that the
-// wait overlaps the GEMMs: the store of tile n is issued either in tile n + 1's first block
-// (fused, when tile n + 1 has a second block, whose issue releases it) or before tile n + 1
-// (whose first issue releases it); either way before tile n + 2 waits for the Q that the
-// producer loads into the same buffer.
+// wait overlaps the GEMMs: the store of tile n is issued in tile n + 1's first block, and the
+// next issue releases it: tile n + 1's second block, or, when tile n + 1 has one key block,
+// tile n + 2's first. Either way before tile n + 3 waits for the Q that the producer loads into
+// the same buffer (three buffers; with two, tile n + 2 would wait for a release that only its
+// own first issue makes).
 template <class Cfg>
 __device__ __forceinline__ void release_staged_q(const BarrierAddresses& bars, ConsumerState& c) {
   if constexpr (Cfg::kStageOutput) {
@@ -694,7 +696,7 @@ __device__ __forceinline__ void write_output(const Params& p, const FinishedTile
 
 // A tile's last PV in a GEMM turn of its own, then its output (finish() gives where it goes):
 // every tile at head dim 256 (one Q buffer: the next tile's Q cannot be there yet), and the
-// last tile of a CTA.
+// last tile of a CTA otherwise.
 template <class Cfg, class Finish>
 __device__ __forceinline__ void last_pv_alone(const Params& p, uint32_t smem,
                                               const BarrierAddresses& bars, ConsumerState& c,
@@ -716,9 +718,9 @@ __device__ __forceinline__ void last_pv_alone(const Params& p, uint32_t smem,
 }
 
 // One non-empty tile: S = Q K^T, online softmax and O += P V over its key blocks (last first).
-// o / s / pa are the warpgroup's register tiles. The tile's last PV is left pending: with two Q
-// buffers it is issued together with the next tile's first S GEMM (`fuse`, see run_consumer
-// for when), as the steady state issues S_j with PV_{j+1}, so that a tile boundary costs one
+// o / s / pa are the warpgroup's register tiles. The tile's last PV is left pending: with staged
+// outputs it is issued together with the next tile's first S GEMM (a valid `pending` on entry),
+// as the steady state issues S_j with PV_{j+1}, so that a tile boundary costs one
 // GEMM turn like any key block instead of a lone PV turn and a lone S turn with the first
 // block's softmax exposed between them; the finished tile's output is staged while the new
 // tile's first S runs. With one Q buffer (head dim 256) the last PV runs alone at the end of
@@ -726,7 +728,7 @@ __device__ __forceinline__ void last_pv_alone(const Params& p, uint32_t smem,
 template <class Cfg>
 __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uint32_t smem,
                                              const BarrierAddresses& bars, ConsumerState& c,
-                                             PendingTile& pending, bool fuse,
+                                             PendingTile& pending,
                                              float (&o)[Cfg::kHeadDim / 2],
                                              float (&s)[Cfg::kBlockN / 2],
                                              uint32_t (&pa)[Cfg::kBlockN / 16][4]) {
@@ -765,7 +767,8 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
         wgmma_commit();
       }
     });
-    release_staged_q<Cfg>(bars, c);  // a store issued before this tile (not fused)
+    // The store staged in the previous tile's first block, when that tile had no second block.
+    release_staged_q<Cfg>(bars, c);
     wgmma_wait<kFused ? 1 : 0>();    // S done; the pending PV may still run
     TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kFirstScores);
     take_scores<Cfg>(p, t, bars, c, stage, nb, row_lo, s);
@@ -780,7 +783,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
       TIMELINE_CONSUMER_EVENT(c, c.q_count - 2, kStored);
     }
   };
-  if (Cfg::kStageOutput && fuse) {
+  if (Cfg::kStageOutput && pending.valid) {
     first_block(std::bool_constant<Cfg::kStageOutput>());
   } else {
     first_block(std::false_type());
@@ -860,16 +863,7 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
         store_output<Cfg>(p, finish_tile<Cfg>(p, t, row_lo, c.lane, none, 0), c.lane, zero);
         continue;
       }
-      // The pending tile's last PV goes with this tile's first S unless this tile has a single
-      // key block: its output store would then have no GEMM issue of this tile after it to be
-      // released in (release_staged_q), and the Q after this one, which the producer loads into
-      // that buffer, would wait for it. So it runs alone first, and this tile's S releases it.
-      const bool fuse = Cfg::kStageOutput && pending.valid && t.n_max - t.n_min > 1;
-      if (pending.valid && !fuse) {
-        last_pv_alone<Cfg>(p, smem, bars, c, o, pa, [&] { return pending.f; });
-        pending.valid = false;
-      }
-      consume_tile<Cfg>(p, t, smem, bars, c, pending, fuse, o, s, pa);
+      consume_tile<Cfg>(p, t, smem, bars, c, pending, o, s, pa);
     }
   }
   if (pending.valid) last_pv_alone<Cfg>(p, smem, bars, c, o, pa, [&] { return pending.f; });

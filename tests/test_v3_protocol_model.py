@@ -1,6 +1,7 @@
 """The v3 forward's barrier protocol (Q buffers, K / V stages, the pingpong ring, fused tile
 boundaries, staged output stores) as a CPU model, tests/gpu/v3_fwd_protocol_model.py: random tile
-sequences under random interleavings must neither deadlock nor overwrite a buffer in use."""
+sequences under random interleavings must neither deadlock nor overwrite a buffer in use, and two
+staged Q buffers must still deadlock where the kernel relies on the third."""
 import pathlib
 import subprocess
 import sys

@@ -1,7 +1,7 @@
 # A CPU model of the synchronisation in cuda/v3_fwd_sm90.cu (run_producer / run_consumer): the
 # mbarrier phases of the Q buffers and K / V stages, the pingpong ring of named barriers, the
-# fusion of a tile's last PV with the next tile's first S (not into one-block tiles), and the
-# release of a Q buffer after the output store staged in it. One agent per role (producer, W
+# fusion of a tile's last PV with the next tile's first S (into every tile, one-block ones too,
+# with three Q buffers), and the release of a Q buffer after the output store staged in it. One agent per role (producer, W
 # consumer warpgroups); per-warp arrivals are folded into one per warpgroup, TMA loads land at
 # once, stores finish reading when released. Random tile sequences (0 = empty tile: no Q, no
 # turns) under random interleavings; reports deadlocks, a pingpong barrier given two arrivals
@@ -9,8 +9,9 @@
 #
 #   python3 tests/gpu/v3_fwd_protocol_model.py [trials]     (prints "trials with errors: 0")
 #
-# Keep it in step with the kernel when the protocol changes. Mutations it catches: fusing into
-# one-block tiles or dropping release_staged_q (deadlock), a wrong arrival count.
+# Keep it in step with the kernel when the protocol changes. Mutations it catches: two staged Q
+# buffers with fusion into one-block tiles (deadlock; checked at the end of every run) or
+# dropping release_staged_q (deadlock), a wrong arrival count.
 import random
 import sys
 
@@ -21,9 +22,9 @@ class MBar:
         if s.arrived == s.count: s.arrived, s.done = 0, s.done + 1
     def ready(s, parity): return (s.done % 2) != parity
 
-def run(tiles, W, staged, seed):
+def run(tiles, W, staged, seed, staged_buffers=3):
     rnd = random.Random(seed)
-    nbuf = 2 if staged else 1
+    nbuf = staged_buffers if staged else 1
     q_full = [MBar(1) for _ in range(nbuf)]
     q_empty = [MBar(W) for _ in range(nbuf)]
     k_full, v_full = [MBar(1) for _ in range(2)], [MBar(1) for _ in range(2)]
@@ -82,8 +83,7 @@ def run(tiles, W, staged, seed):
             write_output(pending[0]); pending[0] = None
         for ti, nblocks in enumerate(tiles):
             if nblocks == 0: continue
-            fuse = staged and pending[0] is not None and nblocks > 1
-            if pending[0] is not None and not fuse: yield from last_pv_alone()
+            fuse = staged and pending[0] is not None
             qb = c['qc'] % nbuf
             yield lambda: q_full[qb].ready((c['qc'] // nbuf) & 1)
             if qbuf_content[qb] != ti:
@@ -133,4 +133,10 @@ for trial in range(int(sys.argv[1]) if len(sys.argv) > 1 else 20000):
         bad += 1
         if bad < 5: print(trial, tiles, W, staged, errs[:3])
 print("trials with errors:", bad)
-sys.exit(1 if bad else 0)
+# The reason for the third buffer: with two, a one-block tile that takes the previous tile's PV
+# leaves its store unreleased until the next tile's first issue, which waits for a Q that the
+# producer can only load into that buffer.
+two_buffers_deadlock = "DEADLOCK" in run([2, 1, 2], 2, True, 0, staged_buffers=2)
+print("two staged buffers, fused one-block tile:", "deadlock (as expected)" if two_buffers_deadlock
+      else "NO DEADLOCK: the model no longer shows why three buffers are needed")
+sys.exit(1 if bad or not two_buffers_deadlock else 0)
