@@ -127,6 +127,29 @@ def test_gqa_slice_matches_reference():
     assert row["status"] == "ok" and row["check"]["passed"], row
 
 
+@pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
+def test_reference_thread_issues_no_device_work(mode, monkeypatch):
+  # The float64 reference runs beside the peers' compilation; device work issued from its thread
+  # (the slice copies) broke XLA's cuDNN graph capture on the H200 and read garbage inputs, so
+  # every copy must be taken on the calling thread.
+  import threading
+
+  from jax_flash.bench import accuracy
+  main_thread = threading.get_ident()
+  copy = accuracy.jax_to_numpy
+
+  def copy_on_main_thread_only(x, index):
+    assert threading.get_ident() == main_thread, "device copy from the reference thread"
+    return copy(x, index)
+
+  monkeypatch.setattr(accuracy, "jax_to_numpy", copy_on_main_thread_only)
+  case = configs.Case(mode, 1, 33, 33, 2, 2, 16, True, "float32")
+  available, _ = peers.all_peers(jax.default_backend())
+  result = runner.run_case(case, [p for p in available if p.name == "xla"], _options(check_rows=9))
+  (row,) = result["rows"]
+  assert row["status"] == "ok" and row["check"]["passed"], row
+
+
 def test_unsupported_peer_is_recorded_not_fatal():
   case = configs.Case("fwd", 1, 32, 32, 2, 2, 16, False, "float32")
 

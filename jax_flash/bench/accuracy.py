@@ -64,12 +64,28 @@ def output_indices(case: Case, where: CheckSlice) -> dict[str, tuple]:
   return {"dq": q_index, "dk": kv_index, "dv": kv_index}
 
 
-def reference_outputs(case: Case, check_set: tuple, where: CheckSlice) -> dict[str, np.ndarray]:
-  """The float64 reference of the slice: {"out"} or {"dq", "dk", "dv"}, each [rows|S, heads, H]."""
+def reference_inputs(case: Case, check_set: tuple, where: CheckSlice) -> tuple[np.ndarray, ...]:
+  """Host float32 copies of the slice's q, k, v (and dout in fwdbwd mode), each [1, rows|S,
+  heads, H]. Taken on the calling thread: the copies run device work (the slice, the cast), and
+  issued from the reference's worker thread they landed in XLA's cuDNN graph capture on the main
+  thread, which then failed ("capturing stream has unjoined work") and left the copies garbage
+  (every implementation of the row "failed" the check, rel. L2 ~1e300)."""
   start, stop = where.rows
-  q = jax_to_numpy(check_set[0], (slice(0, 1), slice(start, stop), slice(0, where.heads)))
-  k, v = (jax_to_numpy(x, (slice(0, 1), slice(None), slice(0, where.kv_heads)))
-          for x in check_set[1:3])
+  q_index = (slice(0, 1), slice(start, stop), slice(0, where.heads))
+  kv_index = (slice(0, 1), slice(None), slice(0, where.kv_heads))
+  host = (jax_to_numpy(check_set[0], q_index), jax_to_numpy(check_set[1], kv_index),
+          jax_to_numpy(check_set[2], kv_index))
+  if case.mode == "fwdbwd":
+    host += (jax_to_numpy(check_set[3], q_index),)
+  return host
+
+
+def reference_outputs(case: Case, host: tuple[np.ndarray, ...],
+                      where: CheckSlice) -> dict[str, np.ndarray]:
+  """The float64 reference of the slice from reference_inputs' copies (host work only, so it can
+  run beside device work): {"out"} or {"dq", "dk", "dv"}, each [rows|S, heads, H]."""
+  start, stop = where.rows
+  q, k, v = host[:3]
   mask = None
   if case.causal:  # top-left causal with the slice's row offset: key s kept when s <= start + t
     mask = (np.arange(case.kv_len)[None, :] <= start + np.arange(stop - start)[:, None])[None, None]
@@ -77,8 +93,7 @@ def reference_outputs(case: Case, check_set: tuple, where: CheckSlice) -> dict[s
   if case.mode != "fwdbwd":
     out, _ = reference.attention_forward_f64(q, k, v, mask=mask, scale=scale)
     return {"out": out[0]}
-  dout = jax_to_numpy(check_set[3], (slice(0, 1), slice(start, stop), slice(0, where.heads)))
-  dq, dk, dv, _ = reference.attention_backward_f64(q, k, v, dout, mask=mask, scale=scale)
+  dq, dk, dv, _ = reference.attention_backward_f64(q, k, v, host[3], mask=mask, scale=scale)
   return {"dq": dq[0], "dk": dk[0], "dv": dv[0]}
 
 

@@ -176,9 +176,11 @@ def _run_case(case: Case, peers: list[Peer], options: RunOptions, started: float
   sets = inputs.make_sets(case, options.seed)
   where = accuracy.check_slice(case, options.check_rows)
   check_set = inputs.with_rows_of_dout(sets[0], where.rows) if case.mode == "fwdbwd" else sets[0]
+  host = accuracy.reference_inputs(case, check_set, where)
   with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-    # The float64 reference runs on the host while the peers compile.
-    expected_future = pool.submit(_timed, accuracy.reference_outputs, case, check_set, where)
+    # The float64 reference runs on the host while the peers compile; its inputs were copied
+    # above, so that the worker issues no device work (see reference_inputs).
+    expected_future = pool.submit(_timed, accuracy.reference_outputs, case, host, where)
     prepared, rows = _prepare_all(peers, case, sets, check_set, options)
     reports = name_kernels(prepared, options.backend) if prepared else {}
     expected, reference_s = expected_future.result()
