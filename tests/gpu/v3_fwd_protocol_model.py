@@ -1,11 +1,12 @@
 # A CPU model of the synchronisation in cuda/v3_fwd_sm90.cu (run_producer / run_consumer): the
 # mbarrier phases of the Q buffers and K / V stages, the pingpong ring of named barriers, the
 # fusion of a tile's last PV with the next tile's first S (into every tile, one-block ones too,
-# with three Q buffers), and the release of a Q buffer after the output store staged in it. One agent per role (producer, W
-# consumer warpgroups); per-warp arrivals are folded into one per warpgroup, TMA loads land at
-# once, stores finish reading when released. Random tile sequences (0 = empty tile: no Q, no
-# turns) under random interleavings; reports deadlocks, a pingpong barrier given two arrivals
-# before its sync, and a stage / buffer read while it holds another block or tile.
+# with three Q buffers), and the release of a Q buffer after the output store staged in it. One
+# agent per role (producer, W consumer warpgroups); per-warp arrivals are folded into one per
+# warpgroup, TMA loads land at once, stores finish reading when released. Random tile sequences
+# (0 = empty tile: no Q, no turns) under random interleavings; reports deadlocks, a pingpong
+# barrier given two arrivals before its sync, and a stage / buffer read while it holds another
+# block or tile.
 #
 #   python3 tests/gpu/v3_fwd_protocol_model.py [trials]     (prints "trials with errors: 0")
 #
