@@ -1,13 +1,14 @@
 """python -m jax_flash.bench on tiny CPU cases: outputs written, numbers sane, garbage caught."""
 import json
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jax_flash
-from jax_flash.bench import cli, configs, kernels, peers, runner
+from jax_flash.bench import accuracy, cli, configs, kernels, peers, runner
 from jax_flash.bench.timing import TimingOptions
 
 CPU_AVAILABLE = any(s.name == "cpu" and s.available for s in jax_flash.schedules())
@@ -132,9 +133,6 @@ def test_reference_thread_issues_no_device_work(mode, monkeypatch):
   # The float64 reference runs beside the peers' compilation; device work issued from its thread
   # (the slice copies) broke XLA's cuDNN graph capture on the H200 and read garbage inputs, so
   # every copy must be taken on the calling thread.
-  import threading
-
-  from jax_flash.bench import accuracy
   main_thread = threading.get_ident()
   copy = accuracy.jax_to_numpy
 
