@@ -408,5 +408,10 @@ inline cudaError_t current_device_info(DeviceInfo* info) {
   return cudaSuccess;
 }
 
+// The current device's DeviceInfo, stored in *storage; null when none can be queried.
+inline const DeviceInfo* current_device(DeviceInfo* storage) {
+  return current_device_info(storage) == cudaSuccess ? storage : nullptr;
+}
+
 }  // namespace hopper
 }  // namespace jax_flash

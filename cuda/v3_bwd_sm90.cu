@@ -1665,15 +1665,13 @@ int resolve_split(const BackwardArgs& args, const V3BackwardWorkspace& workspace
 
 const char* V3BackwardUnsupportedReason(const BackwardArgs& a) {
   DeviceInfo info;
-  return unsupported_reason(a, current_device_info(&info) == cudaSuccess ? &info : nullptr);
+  return unsupported_reason(a, current_device(&info));
 }
 
 cudaError_t V3BackwardScheduled(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
                                 bool deterministic, int kv_split, cudaStream_t stream) {
   DeviceInfo info;
-  const bool have_device = current_device_info(&info) == cudaSuccess;
-  if (unsupported_reason(args, have_device ? &info : nullptr) != nullptr)
-    return cudaErrorInvalidValue;
+  if (unsupported_reason(args, current_device(&info)) != nullptr) return cudaErrorInvalidValue;
   if (workspace.dq_accum == nullptr || workspace.dsum == nullptr ||
       workspace.lse_log2 == nullptr || (deterministic && workspace.dq_semaphore == nullptr))
     return cudaErrorInvalidValue;

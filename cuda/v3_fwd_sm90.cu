@@ -1095,14 +1095,12 @@ const char* unsupported_reason(const ForwardArgs& a, const DeviceInfo* info) {
 
 const char* V3ForwardUnsupportedReason(const ForwardArgs& a) {
   DeviceInfo info;
-  return unsupported_reason(a, current_device_info(&info) == cudaSuccess ? &info : nullptr);
+  return unsupported_reason(a, current_device(&info));
 }
 
 cudaError_t V3ForwardTuned(const ForwardArgs& args, const V3Tuning& tuning, cudaStream_t stream) {
   DeviceInfo info;
-  const bool have_device = current_device_info(&info) == cudaSuccess;
-  if (unsupported_reason(args, have_device ? &info : nullptr) != nullptr)
-    return cudaErrorInvalidValue;
+  if (unsupported_reason(args, current_device(&info)) != nullptr) return cudaErrorInvalidValue;
   return dispatch(args, tuning, info.sm_count, stream);
 }
 
