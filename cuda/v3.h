@@ -20,6 +20,11 @@ struct V3Tuning {
   // 0: every exp2 on the special-function unit. p > 0: every p-th 8-column chunk of the score
   // tile through a degree-3 polynomial on the FMA units instead.
   int exp2_emulation_period = 0;
+
+  bool operator==(const V3Tuning& o) const {
+    return conditional_rescale == o.conditional_rescale &&
+           exp2_emulation_period == o.exp2_emulation_period;
+  }
 };
 
 // The switches V3Forward uses for a head dim (64, 128 or 256).

@@ -1017,8 +1017,7 @@ template <typename Element, int kHeadDim, bool kTall>
 cudaError_t launch_tuned(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
                          cudaStream_t stream) {
   using D = DefaultTuning<kHeadDim>;
-  if (tuning.conditional_rescale == D::kConditionalRescale &&
-      tuning.exp2_emulation_period == D::kExp2EmulationPeriod) {
+  if (tuning == D::value()) {
     using Cfg = typename ConfigFor<Element, kHeadDim, kTall, D::kConditionalRescale,
                                    D::kExp2EmulationPeriod>::type;
     return launch<Cfg>(a, sm_count, stream);

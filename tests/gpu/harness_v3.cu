@@ -390,9 +390,7 @@ bool bench(const std::vector<Case>& cases, int reps) {
     std::snprintf(buf, sizeof buf, "%4ld %6ld %d", long(c.H), long(c.T), int(c.causal));
     line = buf;
     for (const Variant& var : kVariants) {
-      const V3Tuning d = jax_flash::V3DefaultTuning(c.H);
-      const bool is_default = d.conditional_rescale == var.tuning.conditional_rescale &&
-                              d.exp2_emulation_period == var.tuning.exp2_emulation_period;
+      const bool is_default = var.tuning == jax_flash::V3DefaultTuning(c.H);
       if (default_tuning_only() && !is_default) {
         line += "        .";
         continue;
