@@ -11,7 +11,7 @@
 // Two grids for the main kernel (choose_schedule, "GQA schedule" near the host code):
 //   default: one CTA per (key block, kv head, batch), looping over all the kv head's query
 //     heads (what the list below describes);
-//   GQA schedule (v3_backward_kernel<Cfg, true>), for GQA / MQA with fewer than 4 default CTAs
+//   GQA schedule (v3_backward_kernel<Cfg, true, *>), for GQA / MQA with fewer than 4 default CTAs
 //     per SM: the key block the slowest grid index (longest key blocks first under causal
 //     masking) and, when the count says so, the kv head's query heads split over 2 or 4 CTAs,
 //     each storing fp32 dK / dV partials that a 4th kernel (v3_backward_dkv_reduce_kernel)
@@ -53,7 +53,9 @@
 //        Deterministic mode: the dQ adds of a (batch, head, query block) are serialized in
 //        descending key block order by a semaphore per block (each element gets its partials
 //        added in the same order every run; see dq_turn); dK / dV are always deterministic
-//        (one CTA owns them).
+//        (one CTA owns them). At head dims 64 / 128 the producer warpgroup's warp 1 (the dQ
+//        reducer, kernels with kDqReducer) waits for the turn and issues the bulk reduce, so
+//        that the owner only stages its dQ (run_dq_reducer).
 //        Epilogue (write_key_gradients): dK = scale * dK and dV converted and written over the
 //        warpgroup's own rows of the K and V tiles in shared memory (free by then, see
 //        run_consumer), then stored by one thread per warpgroup with TMA; head dim 256 stores
@@ -248,7 +250,7 @@ struct BwdParams {
   float softcap_inv;  // scale / softcap
   int window_left;    // -1 = unbounded
   int window_right;   // causal folded in; -1 = unbounded
-  // The GQA schedule only (v3_backward_kernel<Cfg, true>; see "GQA schedule" below): the query
+  // The GQA schedule only (v3_backward_kernel<Cfg, true, *>; see "GQA schedule" below): the query
   // heads of a kv head are split over kv_split CTAs of heads_per_cta heads each; with
   // kv_split > 1 each CTA writes its unscaled fp32 dK, dV partials to slot `split` of
   // dkv_partial ([2][kv_split][B * kv_len * K * H]: dK slots, then dV slots), which
@@ -680,7 +682,12 @@ enum class DqRole { kOwner, kHelper, kShared };
 constexpr int kDsReadyBarrier = 1;  // + buffer: the dS^T of the buffer's step is stored
 constexpr int kDsFreeBarrier = 3;   // + buffer: the owner's dQ GEMM has read the buffer
 constexpr int kDqOrderBarrier = 5;  // deterministic mode: this block's turn to add dQ
-constexpr int kDqStagedBarrier = 6;  // + warpgroup: its dQ tiles are staged (128 threads)
+// Head dims 64 / 128: the owner's dQ tiles are staged (its 128 threads; deterministic mode:
+// and the dQ reducer warp's 32, see run_dq_reducer); deterministic mode: the reducer has read
+// the staging buffer.
+constexpr int kDqStagedBarrier = 6;
+constexpr int kDqFreeBarrier = 7;
+constexpr int kDqHandoffThreads = 128 + 32;
 constexpr int kKeyGradStagedBarrier = 8;  // + warpgroup: its dK / dV are staged (128 threads)
 constexpr int kConsumerThreads = 256;
 
@@ -688,6 +695,15 @@ __device__ __forceinline__ int load_acquire(const int* address) {
   int v;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(address) : "memory");
   return v;
+}
+
+// Deterministic mode: the semaphore of a step's query block (its first 64-row tile's).
+template <class Cfg>
+__device__ __forceinline__ int* dq_semaphore_of(const BwdParams& p, const KeyBlock& kb,
+                                                const Step& st) {
+  return p.dq_semaphore +
+         (int64_t(kb.batch) * p.num_heads + st.head) * (p.q_len_padded / kDqTileRows) +
+         st.m_block * Cfg::kDqRowTiles;
 }
 
 // Adds this warpgroup's kDqTiles dQ tiles (64 x 64, adjacent in dq_accum, each in fragment
@@ -700,12 +716,16 @@ __device__ __forceinline__ int load_acquire(const int* address) {
 // red.global.add.v4 from every thread, the next step's register writes waited for the queued
 // reductions to read their operands (ncu: 13% of all stall samples on the loop's first
 // instruction). Thread 0 waits for the reduce to have read the buffer before the next step's
-// dS barrier (run_consumer).
+// dS barrier (run_consumer). Deterministic mode (kDqReducer): the owner only stages; the dQ
+// reducer warp waits for the turn, reduces and passes the turn on (run_dq_reducer). The
+// deterministic bulk branch below stays in the default kernels (whose launches never take it)
+// so that their code is that of the build before: without it ptxas allocated their registers
+// differently (H = 64: 8 -> 36 spilled bytes).
 // Otherwise (H = 256: no shared memory left for the staging) every thread adds its values with
 // red.global.add.v4.f32, one 512-byte line per warp instruction.
 // Deterministic mode: the block waits for its turn (the semaphore counts the key blocks that
 // have added), the adds complete, and the turn is passed on.
-template <class Cfg>
+template <class Cfg, bool kDqReducer>
 __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, const Step& st,
                                        int warpgroup, int thread, uint32_t staging,
                                        const float (&dq)[Cfg::kDqRowTilesPerWg]
@@ -722,6 +742,10 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, c
                    : "memory");
     }
     fence_proxy_async_shared();
+    if constexpr (kDqReducer) {
+      named_barrier_arrive(kDqStagedBarrier, kDqHandoffThreads);
+      return;
+    }
     named_barrier_sync(kDqStagedBarrier + warpgroup, 128);
   }
   const int row_tile = st.m_block * Cfg::kDqRowTiles;
@@ -735,9 +759,7 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, c
   }
   int* semaphore = nullptr;
   if (p.dq_semaphore != nullptr) {
-    semaphore = p.dq_semaphore +
-                (int64_t(kb.batch) * p.num_heads + st.head) * (p.q_len_padded / kDqTileRows) +
-                st.m_block * Cfg::kDqRowTiles;
+    semaphore = dq_semaphore_of<Cfg>(p, kb, st);
     if (warpgroup == 0 && thread == 0) {
       const int turn = dq_turn<Cfg>(p, kb, st.m_block);
       while (load_acquire(semaphore) != turn) {
@@ -763,6 +785,47 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, c
       __threadfence();
       asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
     }
+  }
+}
+
+// Deterministic mode, head dims 64 / 128 (kDqReducer): warp 1 of the producer warpgroup, its
+// lane 0 doing the work (the warp as a whole takes the named barriers with the owner). Per step
+// (the consumers' order): waits for the owner's staged dQ, then for the block's turn, adds the
+// staging buffer into dq_accum with one bulk reduce, frees the buffer once read, waits for the
+// adds to land and passes the turn on. Done by the owner's thread 0 itself, the turn and the
+// landing were waits on the consumers' path (branch v3-bwd-fused-dq, docs/perf-notes-v3.md).
+// The free barrier is arrived on once up front and then after every step but the last: one
+// arrival per owner step, each after the owner took the one before (the owner's staged arrival,
+// which this warp waits for, comes after its free wait).
+template <class Cfg>
+__device__ void run_dq_reducer(const BwdParams& p, const KeyBlock& kb, int head0,
+                               uint32_t smem) {
+  const bool leader = threadIdx.x % 32 == 0;
+  const uint32_t staging = smem + Cfg::kDqStageOffset;
+  if (kb.steps > 0) named_barrier_arrive(kDqFreeBarrier, kDqHandoffThreads);
+  for (int it = 0; it < kb.steps; ++it) {
+    const Step st = step_of(kb, head0, it);
+    int* semaphore = dq_semaphore_of<Cfg>(p, kb, st);
+    named_barrier_sync(kDqStagedBarrier, kDqHandoffThreads);
+    if (leader) {
+      const int turn = dq_turn<Cfg>(p, kb, st.m_block);
+      while (load_acquire(semaphore) != turn) {
+      }
+      asm volatile("fence.proxy.async.global;" ::: "memory");  // the acquire, then the adds
+      bulk_reduce_add(DqAccum::tile(p.dq_accum, p, kb.batch, st.head,
+                                    st.m_block * Cfg::kDqRowTiles, 0, Cfg::kSlabs),
+                      staging, Cfg::kDqStageBytes, true);
+      bulk_wait_reads();
+    }
+    __syncwarp();
+    if (it + 1 < kb.steps) named_barrier_arrive(kDqFreeBarrier, kDqHandoffThreads);
+    if (leader) {
+      bulk_wait_all();
+      asm volatile("fence.proxy.async.global;" ::: "memory");  // the adds, then the release
+      __threadfence();
+      asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
+    }
+    __syncwarp();
   }
 }
 
@@ -891,7 +954,7 @@ __device__ __forceinline__ void write_key_gradients(const BwdParams& p, const Ke
 // buffer i % 2 was last read by step i - 2's dV and dQ GEMMs, which both warpgroups had
 // completed before passing step i - 1's barrier. The register fragments of the RS GEMMs die
 // at the step's wait_group 1 (they are older than the last group), not across the back edge.
-template <class Cfg, DqRole kRole, bool kGqa>
+template <class Cfg, DqRole kRole, bool kGqa, bool kDqReducer>
 __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t smem,
                              const BwdBarriers& bars, int warpgroup) {
   constexpr bool kSplit = Cfg::kSplitHeadDim;
@@ -996,8 +1059,13 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     if constexpr (kRole == DqRole::kHelper) {
       named_barrier_arrive(kDsReadyBarrier + buffer, kConsumerThreads);
     } else {
-      if constexpr (Cfg::kDqByBulkReduce)
-        bulk_wait_reads();  // the last step's dQ reduce (thread 0's) has read the staging
+      // The last step's dQ reduce has read the staging buffer (thread 0's own; deterministic
+      // mode: the reducer's, which arrived up front for step 0).
+      if constexpr (kDqReducer) {
+        named_barrier_sync(kDqFreeBarrier, kDqHandoffThreads);
+      } else if constexpr (Cfg::kDqByBulkReduce) {
+        bulk_wait_reads();
+      }
       named_barrier_sync(kDsReadyBarrier + buffer, kConsumerThreads);
     }
 
@@ -1028,7 +1096,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
       for (int r = 0; r < Cfg::kDqRowTilesPerWg; ++r) fence_registers(dq[r]);
       if constexpr (kRole == DqRole::kOwner)
         named_barrier_arrive(kDsFreeBarrier + buffer, kConsumerThreads);
-      add_dq<Cfg>(p, kb, st, warpgroup, thread, dq_staging, dq);
+      add_dq<Cfg, kDqReducer>(p, kb, st, warpgroup, thread, dq_staging, dq);
     }
     TIMELINE_STEP_EVENT(TIMELINE_CONSUMER(warpgroup, kStepEnd), it, kb.steps, thread == 0);
     last_stage = stage;
@@ -1044,7 +1112,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   wgmma_wait<0>();
   fence_registers(dk);
   TIMELINE_EVENT(TIMELINE_CONSUMER(warpgroup, kDrained), thread == 0);
-  if constexpr (Cfg::kDqByBulkReduce) {
+  if constexpr (Cfg::kDqByBulkReduce && !kDqReducer) {
     bulk_wait_reads();  // the staging buffer outlives the last reduce's read
     TIMELINE_EVENT(TIMELINE_CONSUMER(warpgroup, kStagingRead), thread == 0);
   }
@@ -1080,9 +1148,12 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
                            lane.col0 + grad_col0, dk, dv);
 }
 
-template <class Cfg, bool kGqa>
+// kDqReducer: deterministic mode at head dims 64 / 128 (run_dq_reducer); the default mode's
+// kernels are the code of the build before it.
+template <class Cfg, bool kGqa, bool kDqReducer>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     v3_backward_kernel(const __grid_constant__ BwdParams p) {
+  static_assert(!kDqReducer || Cfg::kDqByBulkReduce);
   extern __shared__ uint8_t smem_raw[];
   // TMA's 128-byte swizzle and the wgmma descriptors assume 1024-byte-aligned tiles.
   const uint32_t raw = smem_address(smem_raw);
@@ -1121,18 +1192,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       gqa_head0 = first_head<true>(p, kb);
     }
     shrink_registers<Cfg::kProducerRegisters>();
-    if (threadIdx.x == 0) run_producer<Cfg, kGqa>(p, producer_kb, gqa_head0, smem, bars);
+    if (threadIdx.x == 0) {
+      run_producer<Cfg, kGqa>(p, producer_kb, gqa_head0, smem, bars);
+    } else if constexpr (kDqReducer) {
+      if (threadIdx.x / 32 == 1) run_dq_reducer<Cfg>(p, kb, first_head<kGqa>(p, kb), smem);
+    }
   } else if (warpgroup == 1) {
     // A separate instantiation per role: a branch on the role inside the loop, between wgmma
     // issue and wait, would be a divergent path to ptxas (C7520, serialized wgmmas).
     grow_registers<Cfg::kOwnerRegisters>();
-    run_consumer<Cfg, Cfg::kSplitHeadDim ? DqRole::kShared : DqRole::kOwner, kGqa>(p, kb, smem,
-                                                                                  bars, 0);
+    run_consumer<Cfg, Cfg::kSplitHeadDim ? DqRole::kShared : DqRole::kOwner, kGqa, kDqReducer>(
+        p, kb, smem, bars, 0);
     TIMELINE_EVENT(TIMELINE_CONSUMER(0, kExit), threadIdx.x == 128);
   } else {
     grow_registers<Cfg::kHelperRegisters>();
-    run_consumer<Cfg, Cfg::kSplitHeadDim ? DqRole::kShared : DqRole::kHelper, kGqa>(p, kb, smem,
-                                                                                   bars, 1);
+    run_consumer<Cfg, Cfg::kSplitHeadDim ? DqRole::kShared : DqRole::kHelper, kGqa, kDqReducer>(
+        p, kb, smem, bars, 1);
     TIMELINE_EVENT(TIMELINE_CONSUMER(1, kExit), threadIdx.x == 256);
   }
 }
@@ -1325,7 +1400,7 @@ struct BwdConfigFor<Element, 256> {
 // counting 2 steps of per-CTA overhead, so the 8 key-block-0 CTAs alone are as long as the
 // average SM's load; the default grid dispatches them at linear positions 0, 32, ..., 224,
 // the last ones only after ~300 steps, and a list-scheduling count gives 820 steps (1.59x the
-// average). The GQA schedule (v3_backward_kernel<Cfg, true>) dispatches the longest key blocks
+// average). The GQA schedule (v3_backward_kernel<Cfg, true, *>) dispatches the longest key blocks
 // first (normal mode) and may split the group's query heads over kv_split CTAs, whose fp32
 // dK / dV partials v3_backward_dkv_reduce_kernel sums. choose_schedule counts the candidates
 // with the same list-scheduling model (CTAs dispatched in grid order onto the first free SM,
@@ -1482,7 +1557,7 @@ BwdParams window_params(const BackwardArgs& a) {
   return p;
 }
 
-// split < 1: the default grid (v3_backward_kernel<Cfg, false>); else the GQA schedule.
+// split < 1: the default grid (v3_backward_kernel<Cfg, false, *>); else the GQA schedule.
 template <class Cfg>
 cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bool deterministic,
                         int split, cudaStream_t stream) {
@@ -1539,8 +1614,13 @@ cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bo
   if (!timeline_buffer.fits(int64_t(grid.x) * grid.y * grid.z)) return cudaErrorInvalidValue;
   p.timeline = timeline_buffer.records;
 #endif
+  // Deterministic mode at head dims 64 / 128: the kernels with the dQ reducer warp.
+  constexpr bool kReducer = Cfg::kDqByBulkReduce;
   void (*const kernel)(BwdParams) =
-      gqa ? v3_backward_kernel<Cfg, true> : v3_backward_kernel<Cfg, false>;
+      deterministic && kReducer
+          ? (gqa ? v3_backward_kernel<Cfg, true, kReducer>
+                 : v3_backward_kernel<Cfg, false, kReducer>)
+          : (gqa ? v3_backward_kernel<Cfg, true, false> : v3_backward_kernel<Cfg, false, false>);
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
