@@ -540,8 +540,8 @@ __device__ __forceinline__ void issue_dq(uint32_t ds_tile, uint32_t k_tile, int 
 // ------------------------------------------------------------------------------------------
 
 // For this thread's two key rows, the interval of kept query rows [lo, hi] (empty for keys
-// past kv_cols), or everything when the warpgroup's tile (64 keys from key_lo, kScoreCols
-// queries from query_lo) needs no mask.
+// past kv_cols); `masked`: the warpgroup's tile (64 keys from key_lo, kScoreCols queries from
+// query_lo) has a score outside them (else no element is tested, see zero_unkept).
 struct KeptQueries {
   int lo[2], hi[2];
   bool masked;
@@ -564,7 +564,7 @@ struct KeptQueries {
     return k;
   }
   __device__ __forceinline__ bool keeps(int r, int query) const {
-    return !masked || ((query >= lo[r]) & (query <= hi[r]));
+    return (query >= lo[r]) & (query <= hi[r]);
   }
 };
 
@@ -576,20 +576,18 @@ __device__ __forceinline__ float2 load_pair(uint32_t stats, int column) {
   return v;
 }
 
-// s (S^T) -> P^T in place, without softcap. Runs while the dP^T GEMM is in flight.
+// s (S^T) -> P^T in place, without softcap and before the mask (zero_unkept). Runs while the
+// dP^T GEMM is in flight.
 template <class Cfg>
 __device__ __forceinline__ void probabilities(float (&s)[Cfg::kScoreCols / 2], const BwdParams& p,
-                                              const KeptQueries& kept, uint32_t lse,
-                                              int query0, int col0) {
+                                              uint32_t lse, int col0) {
 #pragma unroll
   for (int j = 0; j < Cfg::kScoreCols / 8; ++j) {
     const float2 l = load_pair(lse, 8 * j + col0);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int i = 4 * j + e, r = e / 2;
-      const float x = fmaf(s[i], p.scale_log2, -(e % 2 ? l.y : l.x));
-      const float prob = exp2_mufu(x);  // unconditionally: a branch here defined s[i] twice
-      s[i] = kept.keeps(r, query0 + 8 * j + e % 2) ? prob : 0.f;
+      const int i = 4 * j + e;
+      s[i] = exp2_mufu(fmaf(s[i], p.scale_log2, -(e % 2 ? l.y : l.x)));
     }
   }
 }
@@ -610,23 +608,44 @@ __device__ __forceinline__ void score_gradients(const float (&s)[Cfg::kScoreCols
   }
 }
 
-// With softcap: both at once, after both GEMMs (the chain factor needs the raw score).
+// With softcap: both at once, after both GEMMs (the chain factor needs the raw score); before
+// the mask (zero_unkept).
 template <class Cfg>
 __device__ __forceinline__ void capped_probabilities_and_gradients(
     float (&s)[Cfg::kScoreCols / 2], float (&dp)[Cfg::kScoreCols / 2], const BwdParams& p,
-    const KeptQueries& kept, uint32_t lse, uint32_t dsum, int query0, int col0) {
+    uint32_t lse, uint32_t dsum, int col0) {
 #pragma unroll
   for (int j = 0; j < Cfg::kScoreCols / 8; ++j) {
     const float2 l = load_pair(lse, 8 * j + col0);
     const float2 d = load_pair(dsum, 8 * j + col0);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int i = 4 * j + e, r = e / 2;
+      const int i = 4 * j + e;
       const float t = tanh_mufu(s[i] * p.softcap_inv);
-      const float x = fmaf(p.softcap * t, p.scale_log2, -(e % 2 ? l.y : l.x));
-      const float prob = kept.keeps(r, query0 + 8 * j + e % 2) ? exp2_mufu(x) : 0.f;
-      dp[i] = prob * (dp[i] - (e % 2 ? d.y : d.x)) * (1.f - t * t);
-      s[i] = prob;
+      s[i] = exp2_mufu(fmaf(p.softcap * t, p.scale_log2, -(e % 2 ? l.y : l.x)));
+      dp[i] = s[i] * (dp[i] - (e % 2 ? d.y : d.x)) * (1.f - t * t);
+    }
+  }
+}
+
+// P^T and dS^T of the scores outside the kept interval -> 0 (selected, not multiplied: an
+// unkept score may exceed its row's lse and give an infinite P). Called only for a tile with
+// such scores (kept.masked, a warp-uniform branch) and after both GEMMs have completed: the
+// per-element tests cost ~5 instructions per score, about a sixth of a consumer's step, in
+// every step when they were folded into probabilities, and a branch while a wgmma is in
+// flight makes ptxas serialize the wgmmas (C7520).
+template <class Cfg>
+__device__ __forceinline__ void zero_unkept(float (&s)[Cfg::kScoreCols / 2],
+                                            float (&dp)[Cfg::kScoreCols / 2],
+                                            const KeptQueries& kept, int query0) {
+#pragma unroll
+  for (int j = 0; j < Cfg::kScoreCols / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 4 * j + e;
+      const bool keep = kept.keeps(e / 2, query0 + 8 * j + e % 2);
+      s[i] = keep ? s[i] : 0.f;
+      dp[i] = keep ? dp[i] : 0.f;
     }
   }
 }
@@ -1002,7 +1021,6 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     const uint32_t lse = smem + Cfg::kLseOffset + stage * Cfg::kRowStatBytes + 4 * query_col0;
     const uint32_t dsum = smem + Cfg::kDsumOffset + stage * Cfg::kRowStatBytes + 4 * query_col0;
     const int query_lo = st.m_block * Cfg::kBlockM + query_col0;
-    const KeptQueries kept = KeptQueries::of<Cfg>(p, kb, key_lo, key0, query_lo);
     const int query0 = query_lo + lane.col0;
 
     float s[Cfg::kScoreCols / 2], dp[Cfg::kScoreCols / 2];
@@ -1024,14 +1042,18 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     // of it (probabilities, score_gradients) by arriving itself. With one arrival per warp after
     // a __syncwarp, racecheck reported the next bulk copy into the stage as racing those reads.
     if (it > 0) mbarrier_arrive(bars.empty + 8 * last_stage);
-    if (p.softcap == 0.f) probabilities<Cfg>(s, p, kept, lse, query0, lane.col0);
+    if (p.softcap == 0.f) probabilities<Cfg>(s, p, lse, lane.col0);
     wgmma_wait<0>();
     fence_registers(dp);
     if (p.softcap == 0.f) {
       score_gradients<Cfg>(s, dp, dsum, lane.col0);
     } else {
-      capped_probabilities_and_gradients<Cfg>(s, dp, p, kept, lse, dsum, query0, lane.col0);
+      capped_probabilities_and_gradients<Cfg>(s, dp, p, lse, dsum, lane.col0);
     }
+    // Computed here, not at the top of the step: held across the GEMMs, the bounds spilled at
+    // head dim 64.
+    const KeptQueries kept = KeptQueries::of<Cfg>(p, kb, key_lo, key0, query_lo);
+    if (kept.masked) zero_unkept<Cfg>(s, dp, kept, query0);
 
     uint32_t pa[Cfg::kScoreCols / 16][4], dsa[Cfg::kScoreCols / 16][4];
     accumulator_to_fragments<typename Cfg::Element>(s, pa);
