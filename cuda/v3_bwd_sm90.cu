@@ -725,6 +725,22 @@ __device__ __forceinline__ int* dq_semaphore_of(const BwdParams& p, const KeyBlo
          st.m_block * Cfg::kDqRowTiles;
 }
 
+// Deterministic mode: spins until the semaphore of query block m_block says it is this key
+// block's turn to add (dq_turn); one thread.
+template <class Cfg>
+__device__ __forceinline__ void wait_for_dq_turn(const BwdParams& p, const KeyBlock& kb,
+                                                 int m_block, const int* semaphore) {
+  const int turn = dq_turn<Cfg>(p, kb, m_block);
+  while (load_acquire(semaphore) != turn) {
+  }
+}
+
+// Deterministic mode: passes the turn on once this thread's adds are visible; one thread.
+__device__ __forceinline__ void pass_dq_turn(int* semaphore) {
+  __threadfence();
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
+}
+
 // Adds this warpgroup's kDqTiles dQ tiles (64 x 64, adjacent in dq_accum, each in fragment
 // order: float i of thread t at (i / 4) * 512 + 4 t + i % 4) into dq_accum. dq[r] holds row
 // tile r's kDqSlabs tiles, so float 4 j of the warpgroup's tiles is dq[j / kV4PerRow][4 (j %
@@ -779,11 +795,7 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, c
   int* semaphore = nullptr;
   if (p.dq_semaphore != nullptr) {
     semaphore = dq_semaphore_of<Cfg>(p, kb, st);
-    if (warpgroup == 0 && thread == 0) {
-      const int turn = dq_turn<Cfg>(p, kb, st.m_block);
-      while (load_acquire(semaphore) != turn) {
-      }
-    }
+    if (warpgroup == 0 && thread == 0) wait_for_dq_turn<Cfg>(p, kb, st.m_block, semaphore);
     named_barrier_sync(kDqOrderBarrier, kDqThreads);
   }
   if constexpr (Cfg::kDqByBulkReduce) {  // deterministic mode here
@@ -800,10 +812,7 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, c
   }
   if (Cfg::kDqByBulkReduce || semaphore != nullptr) {  // bulk: deterministic mode only here
     named_barrier_sync(kDqOrderBarrier, kDqThreads);
-    if (warpgroup == 0 && thread == 0) {
-      __threadfence();
-      asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
-    }
+    if (warpgroup == 0 && thread == 0) pass_dq_turn(semaphore);
   }
 }
 
@@ -827,9 +836,7 @@ __device__ void run_dq_reducer(const BwdParams& p, const KeyBlock& kb, int head0
     int* semaphore = dq_semaphore_of<Cfg>(p, kb, st);
     named_barrier_sync(kDqStagedBarrier, kDqHandoffThreads);
     if (leader) {
-      const int turn = dq_turn<Cfg>(p, kb, st.m_block);
-      while (load_acquire(semaphore) != turn) {
-      }
+      wait_for_dq_turn<Cfg>(p, kb, st.m_block, semaphore);
       asm volatile("fence.proxy.async.global;" ::: "memory");  // the acquire, then the adds
       bulk_reduce_add(DqAccum::tile(p.dq_accum, p, kb.batch, st.head,
                                     st.m_block * Cfg::kDqRowTiles, 0, Cfg::kSlabs),
@@ -841,8 +848,7 @@ __device__ void run_dq_reducer(const BwdParams& p, const KeyBlock& kb, int head0
     if (leader) {
       bulk_wait_all();
       asm volatile("fence.proxy.async.global;" ::: "memory");  // the adds, then the release
-      __threadfence();
-      asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
+      pass_dq_turn(semaphore);
     }
     __syncwarp();
   }
