@@ -192,6 +192,28 @@ def test_gpu_trace_attribution_and_same_kernel():
   assert aliases == {"auto": "v3"}
 
 
+def test_trace_that_lost_events_gives_no_device_time():
+  # Two identical calls traced: a kernel recorded once lost an event (an XLA decode fusion on
+  # the H200 did, and the row's device time read above the HBM peak).
+  def report(*calls):
+    return kernels.KernelReport(
+        kernels=[kernels.Kernel(f"k{i}", 100.0, c, 0.5) for i, c in enumerate(calls)],
+        source="test")
+  assert report(2, 4).lost_events(2) == []
+  assert report(2, 4).ms_per_call(2) == pytest.approx(0.1)
+  assert report(2, 1).lost_events(2) == ["k1"]
+  assert report(2, 1).ms_per_call(2) is None
+  assert kernels.error_report("trace", "no events").ms_per_call(2) is None
+
+
+def test_detail_line_names_the_kernels_whose_events_were_lost():
+  from jax_flash.bench import report
+  row = {"impl": "xla", "status": "ok", "ours": False, "tflops": 1.0, "seconds": 1e-3,
+         "seconds_best": 1e-3, "trace_lost_events": ["input_reduce_fusion"],
+         "check": {"passed": True, "max_abs": 0.0, "rel_l2": 0.0}, "kernel_summary": "x"}
+  assert "trace lost events of input_reduce_fusion" in report._detail_line(row, "fwd")
+
+
 def test_gpu_grid_is_the_benchmark_grid():
   cases = configs.attention_grid("fwd", **configs.GPU_GRID)
   assert len(cases) == 18

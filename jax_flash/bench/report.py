@@ -69,7 +69,7 @@ def mode_table(mode: str, cases: list[dict], repeats: int, source: str = "median
   label_width = max(len(c["label"]) for c in cases) + 2
   lines = [f"== {mode}: {unit}, {_SOURCES[source].format(repeats=repeats)}  (* best of row, "
            "=X same kernel as X, ! failed the float64 check, - unsupported/skipped, ERR failed, "
-           "? no trace; ours/peer = best jax_flash over best peer)",
+           "? no trace or one that lost events; ours/peer = best jax_flash over best peer)",
            " " * label_width + "".join(f"{name:>{CELL}}" for name in impls) + f"{'ours/peer':>{CELL}}"]
   ratios = []
   for case in cases:
@@ -106,7 +106,9 @@ def _detail_line(row: dict, mode: str) -> str:
   verdict = "ok" if check["passed"] else f"FAILED (tolerance {check['tolerance_rel_l2']:.0e})"
   shared = (f"  [same kernels as {row['shares_kernels_with']}]"
             if "shares_kernels_with" in row else "")
-  trace = (f", trace {row['trace_ms_per_call']:.3f}" if "trace_ms_per_call" in row else "")
+  trace = (f", trace {row['trace_ms_per_call']:.3f}" if "trace_ms_per_call" in row else
+           f", trace lost events of {', '.join(row['trace_lost_events'])}"
+           if "trace_lost_events" in row else "")
   return (f"{name}{1e3 * row['seconds']:9.3f} ms (best {1e3 * row['seconds_best']:.3f}{trace})"
           f"  {row[key]:8.3f} {unit}  max_abs {check['max_abs']:.2e}  rel_l2 {check['rel_l2']:.2e}"
           f" {verdict}   {kernels}{shared}")

@@ -203,8 +203,12 @@ def _run_case(case: Case, peers: list[Peer], options: RunOptions, started: float
     if options.backend == "gpu" and not report.error:
       # Device time per call while the trace ran a few isolated calls: against the timed
       # median of back-to-back calls it tells idle gaps or clock drops from kernel speed.
-      rows[name]["trace_ms_per_call"] = (sum(k.time_us for k in report.kernels)
-                                         / kernels.RUNS_PER_IMPL / 1e3)
+      per_call = report.ms_per_call(kernels.RUNS_PER_IMPL)
+      if per_call is None:  # the tables show "?" rather than an undercount
+        rows[name]["trace_lost_events"] = [
+            kernels.short_name(n) for n in report.lost_events(kernels.RUNS_PER_IMPL)]
+      else:
+        rows[name]["trace_ms_per_call"] = per_call
     rows[name]["kernel_summary"] = report.summary()
     if name in shared:
       rows[name]["shares_kernels_with"] = shared[name]

@@ -55,18 +55,11 @@ def print_report(name: str, report: kernels.KernelReport, steps: int, top: int) 
   print(f"\n{name}: {total / 1e3:.3f} ms device time per step ({len(report.kernels)} kernels)")
   for k in report.kernels[:top]:
     print(f"  {k.time_us / steps:9.1f} us {k.calls // steps:3d}x  {kernels.short_name(k.name, 90)}")
-  dropped = dropped_kernels(report, steps)
-  if dropped:
-    print(f"  INCOMPLETE TRACE: {len(dropped)} kernel(s) ran a number of times that is not a "
-          f"multiple of the {steps} steps traced (the profiler dropped events; their per-step "
-          f"times and the step's total undercount): {', '.join(dropped[:3])}")
-
-
-def dropped_kernels(report: kernels.KernelReport, steps: int) -> list[str]:
-  """Kernels whose call count is not a multiple of the steps: every kernel of a training step runs
-  the same number of times in every step, so such a count means trace events were lost (seen for
-  cuDNN's backward in session 8: recorded in 0 or 2 of 3 steps)."""
-  return [kernels.short_name(k.name, 60) for k in report.kernels if k.calls % steps]
+  lost = [kernels.short_name(n, 60) for n in report.lost_events(steps)]
+  if lost:
+    print(f"  INCOMPLETE TRACE: {len(lost)} kernel(s) ran a number of times that is not a "
+          f"multiple of the {steps} steps traced (the profiler lost events; their per-step "
+          f"times and the step's total undercount): {', '.join(lost[:3])}")
 
 
 # Kernels whose names mean the same code in both programs (the library's, cuDNN's, cuBLAS's);
