@@ -89,6 +89,10 @@ constexpr int kEvents = kTiles + kTileSlots * kTileEvents;
 __host__ __device__ constexpr int tile_event(int tile, int e) {
   return kTiles + (tile < 2 ? tile : 2 + (tile & 1)) * kTileEvents + e;
 }
+// The record of consumer event e of consumer warpgroup w in the CTA's tile number `tile`.
+__host__ __device__ constexpr int consumer_tile_event(int tile, int w, int e) {
+  return tile_event(tile, kConsumer + w * kConsumerEvents + e);
+}
 }  // namespace v3_fwd_timeline
 
 // From the next launch on, the forward kernel records into `records` (room for `ctas` CTAs,

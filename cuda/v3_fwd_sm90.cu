@@ -176,13 +176,11 @@ namespace tl = v3_fwd_timeline;
 #define TIMELINE_EVENT(event, record) timeline::stamp(event, record)
 #define TIMELINE_TILE_EVENT(tile, e, record) \
   timeline::stamp(tl::tile_event(tile, tl::e), record)
-#define TIMELINE_CONSUMER_EVENT(c, tile, e)                                                   \
-  timeline::stamp(                                                                            \
-      tl::tile_event(tile, tl::kConsumer + (c).warpgroup * tl::kConsumerEvents + tl::e), \
-      (c).leader)
-#define TIMELINE_TILE_SHAPE(tile, t)                                                         \
-  timeline::store_values(tl::tile_event(tile, tl::kTileShape), (t).m_block,            \
-                         (t).n_max - (t).n_min, true)
+#define TIMELINE_CONSUMER_EVENT(c, tile, e) \
+  timeline::stamp(tl::consumer_tile_event(tile, (c).warpgroup, tl::e), (c).leader)
+#define TIMELINE_TILE_SHAPE(tile, t)                                                          \
+  timeline::store_values(tl::tile_event(tile, tl::kTileShape), (t).m_block, (t).n_max - (t).n_min, \
+                         true)
 #define TIMELINE_CTA_INFO(tiles, record) timeline::store_cta_info(tl::kCtaInfo, tiles, record)
 #else
 #define TIMELINE_START(p, record)

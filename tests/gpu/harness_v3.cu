@@ -481,7 +481,7 @@ struct FwdCtaTimeline : harness::timeline::CtaRecords {  // tl::kEvents records
   }
   int producer(int tile, int e) const { return tl::tile_event(tile, e); }
   int consumer(int w, int tile, int e) const {
-    return tl::tile_event(tile, tl::kConsumer + w * tl::kConsumerEvents + e);
+    return tl::consumer_tile_event(tile, w, e);
   }
   // The CTA's end: the latest consumer exit.
   int exit_event() const {
