@@ -48,6 +48,7 @@
 
 #include "divmod.h"
 #include "hopper.cuh"
+#include "v3_fwd_units.h"
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
 #include "timeline.cuh"
 #endif
@@ -142,11 +143,7 @@ struct Params {
   int num_units;
   // The divisors of each tile's decode (decode_tile, produce_tile), prepared on the host
   // (cuda/divmod.h): dividing by a runtime int costs an I2F / MUFU.RCP / F2I sequence each time.
-  DivMod div_group_units;       // units of a group: units per head * heads_per_group
-  DivMod div_group_heads;       // heads_per_group: (batch, head) pairs of a group
-  DivMod div_last_group_heads;  // pairs of the last group, fewer when heads_per_group does not
-                                // divide batch * num_heads
-  int last_group;               // the last group's index
+  UnitGroups groups;            // a unit's order and (batch, head) pair (cuda/v3_fwd_units.h)
   DivMod div_num_heads;         // splits a (batch, head) pair index
   DivMod div_heads_per_kv;      // query heads per kv head: a tile's kv head
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
@@ -240,18 +237,12 @@ struct Tile {
 // Work units: CTA i runs units i, i + grid, ... A unit is one tile or, when the cost of a tile
 // grows with its m-block (causal without a left window), the pair of m-blocks {last - k, k},
 // so that every unit costs the same and the static assignment balances. Units come in groups
-// of heads_per_group (batch, head) pairs whose K / V fit in L2 (the last group may hold fewer);
-// inside a group the longest m-blocks come first, heads innermost. Returns false when the unit
-// has no `second` tile.
+// of (batch, head) pairs whose K / V fit in L2 (UnitGroups); inside a group the longest m-blocks
+// come first, heads innermost. Returns false when the unit has no `second` tile.
 template <class Cfg>
 __device__ bool decode_tile(const Params& p, int unit, bool second, Tile& t) {
-  int in_group, head_in_group;
-  const int group = p.div_group_units.divmod(unit, in_group);
-  // One call per divisor rather than a DivMod picked first: a picked copy made ptxas spill
-  // (~110 bytes) in the 192-row tile's consumers, which have 128 registers (nvcc 13.0).
-  const int order = group == p.last_group ? p.div_last_group_heads.divmod(in_group, head_in_group)
-                                           : p.div_group_heads.divmod(in_group, head_in_group);
-  const int bh = group * int(p.div_group_heads.divisor) + head_in_group;
+  int bh;
+  const int order = p.groups.order_of(unit, &bh);
   const int first_m_block = p.num_m_blocks - 1 - order;
   if (second && (!p.pair_m_blocks || order >= first_m_block)) return false;
 
@@ -946,9 +937,6 @@ struct DefaultTuning {
   static V3Tuning value() { return {kConditionalRescale, kExp2EmulationPeriod}; }
 };
 
-// Heads whose K and V together take about this much L2 are scheduled as one group.
-constexpr int64_t kL2BudgetBytes = 24ll << 20;
-
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
 timeline::Buffer timeline_buffer;  // V3ForwardSetTimeline
 #endif
@@ -981,18 +969,11 @@ cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
   // Causal without a left window: a tile's cost grows with its m-block; pair them up.
   p.pair_m_blocks = p.window_right >= 0 && p.window_left < 0;
   const int units_per_head = p.pair_m_blocks ? (p.num_m_blocks + 1) / 2 : p.num_m_blocks;
-  const int64_t kv_bytes_per_head = 2 * sh.kv_len * sh.head_dim * 2;
   const int64_t batch_heads = sh.batch * sh.num_heads;
-  const int heads_per_group = int(std::max<int64_t>(
-      1, std::min<int64_t>(batch_heads, kL2BudgetBytes / kv_bytes_per_head * heads_per_kv)));
   p.num_units = int(units_per_head * batch_heads);
   if (p.num_units == 0) return cudaSuccess;
-  // DivMod needs divisors and dividends below 2^31: the decode's dividends are below
-  // num_units, which V3ForwardUnsupportedReason keeps below 2^31, and so are its divisors.
-  p.div_group_units = DivMod(units_per_head * heads_per_group);
-  p.div_group_heads = DivMod(heads_per_group);
-  p.last_group = int((batch_heads - 1) / heads_per_group);
-  p.div_last_group_heads = DivMod(int(batch_heads) - p.last_group * heads_per_group);
+  // num_units < 2^31 (V3ForwardUnsupportedReason), as DivMod needs for the decode's dividends.
+  p.groups = UnitGroups::of(units_per_head, batch_heads, heads_per_kv, sh.kv_len, sh.head_dim);
   p.div_num_heads = DivMod(p.num_heads);
   p.div_heads_per_kv = DivMod(heads_per_kv);
 

@@ -1,5 +1,6 @@
 // Host check of DivMod (cuda/divmod.h), the multiply-shift division of the v3 forward's tile
-// decode, against 64-bit integer division. Host code only: it runs on any machine.
+// decode, against 64-bit integer division, and of that decode itself (cuda/v3_fwd_units.h).
+// Host code only: it runs on any machine.
 //   nvcc -O2 -std=c++17 tests/gpu/divmod_check.cu -o /tmp/divmod_check && /tmp/divmod_check
 //
 //   edges    divisors 1, 2, 3, 7, every 2^k and 2^k +- 1, 2^31 - 1: dividends 0, 1, around
@@ -7,9 +8,9 @@
 //   random   log-uniform random divisors, the same dividends
 //   every n  all 2^31 dividends for divisors with the largest rounding error m d - 2^p
 //            relative to d (just above a power of two) and the small and largest ones
-//   grid     the divisors launch() prepares for the 18 configs of BENCHMARK.md (and GQA / odd
-//            variants): every dividend the decode can see, and the decode's (group, order,
-//            batch, head) compared with the plain-division decode it replaced
+//   grid     the divisors launch() prepares (UnitGroups::of) for the 18 configs of BENCHMARK.md
+//            (and GQA / odd variants): every dividend the decode can see, and the decode's
+//            (order, batch, head) compared with the plain-division decode it replaced
 // Exit status: 0 when every check passed.
 #include <algorithm>
 #include <cmath>
@@ -19,8 +20,10 @@
 #include <vector>
 
 #include "../../cuda/divmod.h"
+#include "../../cuda/v3_fwd_units.h"
 
 using jax_flash::DivMod;
+using jax_flash::UnitGroups;
 
 namespace {
 
@@ -75,7 +78,7 @@ void check_every_dividend(int64_t d) {
   }
 }
 
-// A forward problem as launch() in cuda/v3_fwd_sm90.cu sees it, and the divisors it prepares.
+// A forward problem as launch() in cuda/v3_fwd_sm90.cu sees it.
 struct Layout {
   int64_t batch, num_heads, num_kv_heads, seq_len, head_dim, block_m;
   bool causal;
@@ -85,57 +88,48 @@ struct Layout {
     return causal ? (m_blocks + 1) / 2 : m_blocks;
   }
   int batch_heads() const { return int(batch * num_heads); }
-  int heads_per_group() const {  // kL2BudgetBytes of K / V per group
-    const int64_t kv_bytes_per_head = 2 * seq_len * head_dim * 2;
-    const int64_t heads = (int64_t(24) << 20) / kv_bytes_per_head * (num_heads / num_kv_heads);
-    return int(std::max<int64_t>(1, std::min<int64_t>(batch_heads(), heads)));
-  }
 };
 
-// Every dividend of the decode's divisions for this layout, and its (group, order, batch, head)
-// per unit against the plain-division decode the kernel had before (cuda/v3_fwd_sm90.cu,
-// decode_tile).
+// Every dividend of the decode's divisions for this layout, and its (order, batch, head) per
+// unit (UnitGroups::order_of, then the pair split as decode_tile does) against the
+// plain-division decode the kernel had before.
 int64_t check_layout(const Layout& l) {
-  const int per_group = l.units_per_head() * l.heads_per_group();
   const int batch_heads = l.batch_heads(), num_heads = int(l.num_heads);
   const int heads_per_kv = int(l.num_heads / l.num_kv_heads);
-  const int last_group = (batch_heads - 1) / l.heads_per_group();
-  const DivMod group_units(per_group), group_heads(l.heads_per_group()), heads_of_pair(num_heads);
-  const DivMod last_group_heads(batch_heads - last_group * l.heads_per_group());
-  const DivMod kv_heads(heads_per_kv);
+  const UnitGroups g =
+      UnitGroups::of(l.units_per_head(), batch_heads, heads_per_kv, l.seq_len, l.head_dim);
+  const int heads_per_group = int(g.group_heads.divisor);
+  const int per_group = l.units_per_head() * heads_per_group;
+  const DivMod heads_of_pair(num_heads), kv_heads(heads_per_kv);
   const int num_units = l.units_per_head() * batch_heads;
   for (int n = 0; n < per_group; ++n) {
-    expect(n, group_heads.divisor, group_heads);
-    expect(n, last_group_heads.divisor, last_group_heads);
+    expect(n, g.group_heads.divisor, g.group_heads);
+    expect(n, g.last_group_heads.divisor, g.last_group_heads);
   }
   for (int n = 0; n < batch_heads; ++n) expect(n, num_heads, heads_of_pair);
   for (int n = 0; n < num_heads; ++n) expect(n, heads_per_kv, kv_heads);
   for (int unit = 0; unit < num_units; ++unit) {
-    expect(unit, per_group, group_units);
+    expect(unit, per_group, g.group_units);
     const int group = unit / per_group, in_group = unit % per_group;
-    const int heads = std::min(l.heads_per_group(), batch_heads - group * l.heads_per_group());
+    const int heads = std::min(heads_per_group, batch_heads - group * heads_per_group);
     const int order = in_group / heads;
-    const int bh = group * l.heads_per_group() + in_group % heads;
+    const int bh = group * heads_per_group + in_group % heads;
 
-    int fast_in_group, fast_head_in_group, fast_head;
-    const int fast_group = group_units.divmod(unit, fast_in_group);
-    const int fast_order = fast_group == last_group
-                               ? last_group_heads.divmod(fast_in_group, fast_head_in_group)
-                               : group_heads.divmod(fast_in_group, fast_head_in_group);
-    const int fast_bh = fast_group * l.heads_per_group() + fast_head_in_group;
+    int fast_bh, fast_head;
+    const int fast_order = g.order_of(unit, &fast_bh);
     const int fast_batch = heads_of_pair.divmod(fast_bh, fast_head);
-    if (fast_group != group || fast_order != order || fast_batch != bh / num_heads ||
+    if (fast_order != order || fast_bh != bh || fast_batch != bh / num_heads ||
         fast_head != bh % num_heads) {
       if (++failures <= 10)
-        std::printf("FAIL decode unit %d: group %d order %d bh %d, fast %d %d %d\n", unit, group,
-                    order, bh, fast_group, fast_order, fast_bh);
+        std::printf("FAIL decode unit %d: order %d bh %d, fast %d %d\n", unit, order, bh,
+                    fast_order, fast_bh);
     }
   }
   std::printf("grid B=%ld N=%ld K=%ld T=%ld H=%ld block_m=%ld%s: units %d, per group %d, heads "
               "per group %d, last group (number %d) %d heads\n",
               long(l.batch), long(l.num_heads), long(l.num_kv_heads), long(l.seq_len),
               long(l.head_dim), long(l.block_m), l.causal ? " causal" : "", num_units, per_group,
-              l.heads_per_group(), last_group, int(last_group_heads.divisor));
+              heads_per_group, g.last_group, int(g.last_group_heads.divisor));
   return num_units;
 }
 
