@@ -1,14 +1,9 @@
 """tests/gpu/ncu_source_summary.py on a small ncu source page (the real ones come from the GPU)."""
-import importlib.util
 import io
-import pathlib
-import sys
 
-_PATH = pathlib.Path(__file__).parent / "gpu" / "ncu_source_summary.py"
-_spec = importlib.util.spec_from_file_location("ncu_source_summary", _PATH)
-ncu_source_summary = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = ncu_source_summary  # dataclasses look their module up there
-_spec.loader.exec_module(ncu_source_summary)
+from gpu_script import load
+
+ncu_source_summary = load("ncu_source_summary")
 
 _PAGE = '''"Kernel Name","void k<1>(Params)",
 "Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb","stall_wait","stall_long_sb (Not Issued)"

@@ -1,13 +1,9 @@
 """tests/gpu/train_profile.py's report of a trace that lost events (the script runs on the GPU)."""
-import importlib.util
-import pathlib
-
 from jax_flash.bench import kernels
 
-_PATH = pathlib.Path(__file__).parent / "gpu" / "train_profile.py"
-_spec = importlib.util.spec_from_file_location("train_profile", _PATH)
-train_profile = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(train_profile)
+from gpu_script import load
+
+train_profile = load("train_profile")
 
 
 def _report(*calls):
