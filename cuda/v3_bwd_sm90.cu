@@ -485,37 +485,45 @@ __device__ __forceinline__ void gmma_rs_scaled(const uint32_t (&a)[4], uint64_t 
 
 // dV (+)= P^T dO (head dim 256: also dK (+)= dS^T Q) over kSteps x 16 queries: A (64 keys x
 // those queries) from registers, B = the Q or dO rows of those queries and this warpgroup's
-// kGradCols columns (b_rows: their row 0 in the warpgroup's first slab), MN-major in shared
-// memory (b: the descriptor of b_rows, 16 rows = 2048 bytes per k-step). `first` (the CTA's
-// first step) overwrites instead of adding. dK and dV start that way rather than from zeroing
-// moves: a register move into an accumulator of a loop whose dK GEMM stays in flight across the
-// back edge made ptxas serialize every wgmma (C7515).
+// kGradCols columns (b_rows: their row 0 in the warpgroup's first slab, 16 rows = 2048 bytes
+// per k-step), MN-major in shared memory. `first` (the CTA's first step) overwrites instead of
+// adding. dK and dV start that way rather than from zeroing moves: a register move into an
+// accumulator of a loop whose dK GEMM stays in flight across the back edge made ptxas serialize
+// every wgmma (C7515).
+// B's descriptor is rebuilt from the address for every k-step, not advanced from one made per
+// call as in the other GEMMs (nvcc 13.0): advanced, the H = 64 GQA-schedule kernel (normal
+// mode) spilled in its helper's loop, 49 stores / 49 loads on the path without softcap around
+// score_gradients and this GEMM (the spill-free base: 0 / 1), 3% slower measured; the rebuild
+// costs ~2.5 uniform instructions per k-step and leaves every other kernel's spills as they
+// were with the advanced form.
 template <class Cfg, int kSteps>
-__device__ __forceinline__ void issue_rs_gradient(const uint32_t (&a)[kSteps][4], GmmaDescriptor b,
+__device__ __forceinline__ void issue_rs_gradient(const uint32_t (&a)[kSteps][4], uint32_t b_rows,
                                                   float (&acc)[Cfg::kGradCols / 2], bool first) {
   using Op = typename Gmma<typename Cfg::Element, Cfg::kGradCols>::RS;
   constexpr auto idx = std::make_index_sequence<Cfg::kGradCols / 2>{};
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
+    const GmmaDescriptor b = GmmaDescriptor::mnmajor(b_rows + kk * 16 * 128, Cfg::kBlockM * 128);
     gmma_rs_scaled<Op>(a[kk], b.bits, acc,
                        first && kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
-    b = b.advanced(16 * 128);
   }
 }
 
 // dK (+)= dS^T Q (head dim 256: also dV (+)= P^T dO over the other warpgroup's queries) over
 // kSteps x 16 queries, both operands in shared memory: A = dS^T or P^T (a: the descriptor of
 // its 64 key rows, queries along K: K-major; it may start inside the 128-byte row when all
-// kSteps stay in that slab) and B as in issue_rs_gradient. Reading dS^T back from shared memory
+// kSteps stay in that slab) and B as in issue_rs_gradient (b_rows; here its descriptor is made
+// once and advanced by 2048 bytes per k-step). Reading dS^T back from shared memory
 // instead of registers lets the dS^T fragments die before the next step's S^T and dP^T
 // accumulators are live; with them held over, ptxas serialized the wgmmas (C7511).
 template <class Cfg, int kSteps>
-__device__ __forceinline__ void issue_ss_gradient(GmmaDescriptor a, GmmaDescriptor b,
+__device__ __forceinline__ void issue_ss_gradient(GmmaDescriptor a, uint32_t b_rows,
                                                   float (&acc)[Cfg::kGradCols / 2], bool first) {
   using Op = typename Gmma<typename Cfg::Element, Cfg::kGradCols>::template SS<gmma::Major::K,
                                                                               gmma::Major::MN>;
   constexpr auto idx = std::make_index_sequence<Cfg::kGradCols / 2>{};
   constexpr uint32_t kASlab = Cfg::kBlockN * 128;
+  GmmaDescriptor b = GmmaDescriptor::mnmajor(b_rows, Cfg::kBlockM * 128);
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
     gmma_ss<Op>(a.bits, b.bits, acc,
@@ -1078,10 +1086,10 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     accumulator_to_fragments<typename Cfg::Element>(s, pa);
     accumulator_to_fragments<typename Cfg::Element>(dp, dsa);
     wgmma_fence();
-    // The B operands of the gradient GEMMs: the Q / dO rows of the queries from query_col0
-    // (shared_col0), the warpgroup's head-dim columns, MN-major.
+    // The B operands of the gradient GEMMs (their address): the Q / dO rows of the queries from
+    // query_col0 (shared_col0), the warpgroup's head-dim columns, MN-major.
     const auto query_rows = [&](uint32_t tile, int query_col) {
-      return GmmaDescriptor::mnmajor(tile + query_col * 128 + grad_slab, Cfg::kBlockM * 128);
+      return tile + query_col * 128 + grad_slab;
     };
     issue_rs_gradient<Cfg, Cfg::kScoreCols / 16>(pa, query_rows(do_tile, query_col0), dv,
                                                  it == 0);
