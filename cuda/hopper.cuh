@@ -208,6 +208,42 @@ __device__ __forceinline__ uint64_t mnmajor_descriptor(uint32_t address, uint32_
          (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
+// The byte offset of k-step kk (16 columns) of a K-major operand in 64-column slabs slab_bytes
+// apart.
+__host__ __device__ constexpr uint32_t kmajor_step_bytes(int kk, uint32_t slab_bytes) {
+  return (kk / 4) * slab_bytes + (kk % 4) * 32;
+}
+
+// A wgmma descriptor made once per operand tile (kmajor_descriptor / mnmajor_descriptor's
+// fields) and moved along the operand by `advanced`: one 32-bit add per k-step of a byte count
+// that is a compile-time constant once the k-loop is unrolled. Rebuilt from the address for
+// every wgmma, a descriptor cost ~5 uniform instructions (add, mask, shift, or in the leading
+// byte offset, move the high word), ~10 per wgmma with both operands in shared memory.
+// The low word holds the start address / 16 (bits 0-13) and the leading byte offset / 16
+// (bits 16-29); `advanced` adds to the low word only and passes the high word (stride byte
+// offset, swizzle mode) through. The add cannot carry out of the 14-bit start field into the
+// reserved bits or the leading byte offset: an operand lies in the CTA's shared memory, whose
+// addresses are below 256 KB = 2^18 bytes (232,448 on sm_90), so the start field of every
+// operand address, advanced ones included, is below 2^14.
+// ptxas (nvcc 13.0) still writes the high word, a constant, into the register pair of every
+// descriptor (one UMOV each). Computed from the address instead, so that it stayed in one
+// uniform register, ptxas hoisted the loop-invariant K / V descriptors of all k-steps out of the
+// backward's loop and spilled them (H = 128: 20 -> 192 bytes).
+struct GmmaDescriptor {
+  uint64_t bits;
+  __device__ static GmmaDescriptor kmajor(uint32_t address) { return {kmajor_descriptor(address)}; }
+  __device__ static GmmaDescriptor mnmajor(uint32_t address, uint32_t slab_bytes) {
+    return {mnmajor_descriptor(address, slab_bytes)};
+  }
+  __device__ __forceinline__ GmmaDescriptor advanced(uint32_t bytes) const {
+    uint32_t lo, hi;
+    asm("mov.b64 {%0, %1}, %2;" : "=r"(lo), "=r"(hi) : "l"(bits));
+    uint64_t moved;
+    asm("mov.b64 %0, {%1, %2};" : "=l"(moved) : "r"(lo + (bytes >> 4)), "r"(hi));
+    return {moved};
+  }
+};
+
 // The CUTLASS wgmma instruction wrappers for an m64nNk16 product with fp32 accumulators, by
 // element type and width N: SS<major of A, major of B> reads both operands from shared memory
 // (K-major both unless said), RS reads A from registers and B MN-major from shared memory.

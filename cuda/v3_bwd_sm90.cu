@@ -460,14 +460,21 @@ __device__ void run_producer(const BwdParams& p, const KeyBlock& kb, int gqa_hea
 // Consumer GEMMs (one warpgroup)
 // ------------------------------------------------------------------------------------------
 
-// acc^T = X Y^T: X = this warpgroup's 64 key rows of K or V (x_rows: its row 0 in slab 0),
-// Y = its kScoreCols query rows of the Q or dO tile (y_rows: their row 0 in slab 0); both
-// K-major. Gives S^T or dP^T.
+// acc^T = X Y^T: X = this warpgroup's 64 key rows of K or V (x: their descriptor at row 0 of
+// slab 0), Y = its kScoreCols query rows of the Q or dO tile (y: likewise); both K-major. Gives
+// S^T or dP^T.
 template <class Cfg>
-__device__ __forceinline__ void issue_keys_by_queries(uint32_t x_rows, uint32_t y_rows,
+__device__ __forceinline__ void issue_keys_by_queries(GmmaDescriptor x, GmmaDescriptor y,
                                                       float (&acc)[Cfg::kScoreCols / 2]) {
   using Op = typename Gmma<typename Cfg::Element, Cfg::kScoreCols>::template SS<>;
-  gemm_ss_kmajor<Op, Cfg::kHeadDim>(x_rows, Cfg::kBlockN * 128, y_rows, Cfg::kBlockM * 128, acc);
+  constexpr auto idx = std::make_index_sequence<Cfg::kScoreCols / 2>{};
+  constexpr uint32_t kXSlab = Cfg::kBlockN * 128, kYSlab = Cfg::kBlockM * 128;
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+    gmma_ss<Op>(x.bits, y.bits, acc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
+    x = x.advanced(kmajor_step_bytes(kk + 1, kXSlab) - kmajor_step_bytes(kk, kXSlab));
+    y = y.advanced(kmajor_step_bytes(kk + 1, kYSlab) - kmajor_step_bytes(kk, kYSlab));
+  }
 }
 
 template <class Op, int N, size_t... I>
@@ -478,10 +485,17 @@ __device__ __forceinline__ void gmma_rs_scaled(const uint32_t (&a)[4], uint64_t 
 
 // dV (+)= P^T dO (head dim 256: also dK (+)= dS^T Q) over kSteps x 16 queries: A (64 keys x
 // those queries) from registers, B = the Q or dO rows of those queries and this warpgroup's
-// kGradCols columns (b_rows: their row 0 in the warpgroup's first slab), MN-major in shared
-// memory. `first` (the CTA's first step) overwrites instead of adding. dK and dV start that
-// way rather than from zeroing moves: a register move into an accumulator of a loop whose dK
-// GEMM stays in flight across the back edge made ptxas serialize every wgmma (C7515).
+// kGradCols columns (b_rows: their row 0 in the warpgroup's first slab, 16 rows = 2048 bytes
+// per k-step), MN-major in shared memory. `first` (the CTA's first step) overwrites instead of
+// adding. dK and dV start that way rather than from zeroing moves: a register move into an
+// accumulator of a loop whose dK GEMM stays in flight across the back edge made ptxas serialize
+// every wgmma (C7515).
+// B's descriptor is rebuilt from the address for every k-step, not advanced from one made per
+// call as in the other GEMMs (nvcc 13.0): advanced, the H = 64 GQA-schedule kernel (normal
+// mode) spilled in its helper's loop, 49 stores / 49 loads on the path without softcap around
+// score_gradients and this GEMM (the spill-free base: 0 / 1), 3% slower measured; the rebuild
+// costs ~2.5 uniform instructions per k-step and leaves every other kernel's spills as they
+// were with the advanced form.
 template <class Cfg, int kSteps>
 __device__ __forceinline__ void issue_rs_gradient(const uint32_t (&a)[kSteps][4], uint32_t b_rows,
                                                   float (&acc)[Cfg::kGradCols / 2], bool first) {
@@ -489,49 +503,52 @@ __device__ __forceinline__ void issue_rs_gradient(const uint32_t (&a)[kSteps][4]
   constexpr auto idx = std::make_index_sequence<Cfg::kGradCols / 2>{};
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
-    const uint64_t b = mnmajor_descriptor(b_rows + kk * 16 * 128, Cfg::kBlockM * 128);
-    gmma_rs_scaled<Op>(a[kk], b, acc,
+    const GmmaDescriptor b = GmmaDescriptor::mnmajor(b_rows + kk * 16 * 128, Cfg::kBlockM * 128);
+    gmma_rs_scaled<Op>(a[kk], b.bits, acc,
                        first && kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
   }
 }
 
 // dK (+)= dS^T Q (head dim 256: also dV (+)= P^T dO over the other warpgroup's queries) over
-// kSteps x 16 queries, both operands in shared memory: A = dS^T or P^T (64 key rows at a_rows,
-// queries along K: K-major; a_rows may start inside the 128-byte row when all kSteps stay in
-// that slab) and B as in issue_rs_gradient. Reading dS^T back from shared memory instead of
-// registers lets the dS^T fragments die before the next step's S^T and dP^T accumulators are
-// live; with them held over, ptxas serialized the wgmmas (C7511).
+// kSteps x 16 queries, both operands in shared memory: A = dS^T or P^T (a: the descriptor of
+// its 64 key rows, queries along K: K-major; it may start inside the 128-byte row when all
+// kSteps stay in that slab) and B as in issue_rs_gradient (b_rows; here its descriptor is made
+// once and advanced by 2048 bytes per k-step). Reading dS^T back from shared memory
+// instead of registers lets the dS^T fragments die before the next step's S^T and dP^T
+// accumulators are live; with them held over, ptxas serialized the wgmmas (C7511).
 template <class Cfg, int kSteps>
-__device__ __forceinline__ void issue_ss_gradient(uint32_t a_rows, uint32_t b_rows,
+__device__ __forceinline__ void issue_ss_gradient(GmmaDescriptor a, uint32_t b_rows,
                                                   float (&acc)[Cfg::kGradCols / 2], bool first) {
   using Op = typename Gmma<typename Cfg::Element, Cfg::kGradCols>::template SS<gmma::Major::K,
                                                                               gmma::Major::MN>;
   constexpr auto idx = std::make_index_sequence<Cfg::kGradCols / 2>{};
+  constexpr uint32_t kASlab = Cfg::kBlockN * 128;
+  GmmaDescriptor b = GmmaDescriptor::mnmajor(b_rows, Cfg::kBlockM * 128);
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
-    const uint64_t a =
-        kmajor_descriptor(a_rows + (kk / 4) * Cfg::kBlockN * 128 + (kk % 4) * 32);
-    const uint64_t b = mnmajor_descriptor(b_rows + kk * 16 * 128, Cfg::kBlockM * 128);
-    gmma_ss<Op>(a, b, acc, first && kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
+    gmma_ss<Op>(a.bits, b.bits, acc,
+                first && kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
+    a = a.advanced(kmajor_step_bytes(kk + 1, kASlab) - kmajor_step_bytes(kk, kASlab));
+    b = b.advanced(16 * 128);
   }
 }
 
 // dq = dS K for kDqSlabs adjacent 64 x 64 tiles: dS rows (queries) of row tile `row_tile`, K
-// columns from slab `slab` on, summed over the block's keys. dS is stored keys-as-rows
-// (MN-major for this A), K MN-major too.
+// columns from the slab of k (its descriptor) on, summed over the block's keys (16 keys = 2048
+// bytes per k-step). dS is stored keys-as-rows (MN-major for this A; ds: the descriptor of the
+// tile), K MN-major too.
 template <class Cfg>
-__device__ __forceinline__ void issue_dq(uint32_t ds_tile, uint32_t k_tile, int row_tile,
-                                         int slab, float (&dq)[32 * Cfg::kDqSlabs]) {
+__device__ __forceinline__ void issue_dq(GmmaDescriptor ds, GmmaDescriptor k, int row_tile,
+                                         float (&dq)[32 * Cfg::kDqSlabs]) {
   using Op = typename Gmma<typename Cfg::Element, 64 * Cfg::kDqSlabs>::template SS<gmma::Major::MN,
                                                                                   gmma::Major::MN>;
   constexpr auto idx = std::make_index_sequence<32 * Cfg::kDqSlabs>{};
+  ds = ds.advanced(row_tile * Cfg::kBlockN * 128);
 #pragma unroll
   for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
-    const uint64_t a = mnmajor_descriptor(ds_tile + row_tile * Cfg::kBlockN * 128 + kk * 2048,
-                                          Cfg::kBlockN * 128);
-    const uint64_t b = mnmajor_descriptor(k_tile + slab * Cfg::kBlockN * 128 + kk * 2048,
-                                          Cfg::kBlockN * 128);
-    gmma_ss<Op>(a, b, dq, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
+    gmma_ss<Op>(ds.bits, k.bits, dq, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
+    ds = ds.advanced(2048);
+    k = k.advanced(2048);
   }
 }
 
@@ -1001,8 +1018,12 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   const int key_lo = kb.n_block * Cfg::kBlockN + key_row0;  // this warpgroup's keys
   const int key0 = key_lo + lane.row0;
   const uint32_t k_tile = smem + Cfg::kKOffset, v_tile = smem + Cfg::kVOffset;
-  const uint32_t k_rows = k_tile + key_row0 * 128, v_rows = v_tile + key_row0 * 128;
-  const int dq_slab = warpgroup * Cfg::kDqSlabs;  // the owner is warpgroup 0
+  // The descriptors of the loop's fixed operands: this warpgroup's K and V rows (S^T, dP^T) and
+  // the K columns of its dQ (MN-major, 64-column slabs kBlockN rows apart).
+  const GmmaDescriptor k_rows = GmmaDescriptor::kmajor(k_tile + key_row0 * 128);
+  const GmmaDescriptor v_rows = GmmaDescriptor::kmajor(v_tile + key_row0 * 128);
+  const GmmaDescriptor k_dq = GmmaDescriptor::mnmajor(
+      k_tile + warpgroup * Cfg::kDqSlabs * Cfg::kBlockN * 128, Cfg::kBlockN * 128);  // owner: 0
   const uint32_t dq_staging = smem + Cfg::kDqStageOffset;  // the owner's (H = 256: none)
 
   // Both buffers are free before the first step.
@@ -1035,10 +1056,10 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     mbarrier_wait(bars.q_full + 8 * stage, phase);
     TIMELINE_STEP_EVENT(TIMELINE_CONSUMER(warpgroup, kQFull), it, kb.steps, thread == 0);
     wgmma_fence();
-    issue_keys_by_queries<Cfg>(k_rows, q_tile + query_col0 * 128, s);
+    issue_keys_by_queries<Cfg>(k_rows, GmmaDescriptor::kmajor(q_tile + query_col0 * 128), s);
     wgmma_commit();
     mbarrier_wait(bars.do_full + 8 * stage, phase);
-    issue_keys_by_queries<Cfg>(v_rows, do_tile + query_col0 * 128, dp);
+    issue_keys_by_queries<Cfg>(v_rows, GmmaDescriptor::kmajor(do_tile + query_col0 * 128), dp);
     wgmma_commit();
     wgmma_wait<1>();  // S^T, and with it the previous step's dK
     TIMELINE_STEP_EVENT(TIMELINE_CONSUMER(warpgroup, kScoresDone), it, kb.steps, thread == 0);
@@ -1065,11 +1086,16 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     accumulator_to_fragments<typename Cfg::Element>(s, pa);
     accumulator_to_fragments<typename Cfg::Element>(dp, dsa);
     wgmma_fence();
-    issue_rs_gradient<Cfg, Cfg::kScoreCols / 16>(pa, do_tile + query_col0 * 128 + grad_slab, dv,
+    // The B operands of the gradient GEMMs (their address): the Q / dO rows of the queries from
+    // query_col0 (shared_col0), the warpgroup's head-dim columns, MN-major.
+    const auto query_rows = [&](uint32_t tile, int query_col) {
+      return tile + query_col * 128 + grad_slab;
+    };
+    issue_rs_gradient<Cfg, Cfg::kScoreCols / 16>(pa, query_rows(do_tile, query_col0), dv,
                                                  it == 0);
     if constexpr (kSplit) {
-      issue_rs_gradient<Cfg, Cfg::kScoreCols / 16>(dsa, q_tile + query_col0 * 128 + grad_slab,
-                                                   dk, it == 0);
+      issue_rs_gradient<Cfg, Cfg::kScoreCols / 16>(dsa, query_rows(q_tile, query_col0), dk,
+                                                   it == 0);
     }
     wgmma_commit();
 
@@ -1103,17 +1129,17 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
 #pragma unroll
       for (int r = 0; r < Cfg::kDqRowTilesPerWg; ++r) fresh_accumulator(dq[r]);
       if constexpr (kSplit) {
-        issue_ss_gradient<Cfg, kSharedSteps>(p_tile + shared_col0 * 2,
-                                             do_tile + shared_col0 * 128 + grad_slab, dv, false);
+        issue_ss_gradient<Cfg, kSharedSteps>(GmmaDescriptor::kmajor(p_tile + shared_col0 * 2),
+                                             query_rows(do_tile, shared_col0), dv, false);
       }
+      const GmmaDescriptor ds = GmmaDescriptor::mnmajor(ds_tile, Cfg::kBlockN * 128);
 #pragma unroll
-      for (int r = 0; r < Cfg::kDqRowTilesPerWg; ++r)
-        issue_dq<Cfg>(ds_tile, k_tile, r, dq_slab, dq[r]);
+      for (int r = 0; r < Cfg::kDqRowTilesPerWg; ++r) issue_dq<Cfg>(ds, k_dq, r, dq[r]);
       wgmma_commit();
     }
-    issue_ss_gradient<Cfg, kSharedSteps>(ds_tile + key_row0 * 128 + shared_col0 * 2,
-                                         q_tile + shared_col0 * 128 + grad_slab, dk,
-                                         !kSplit && it == 0);
+    issue_ss_gradient<Cfg, kSharedSteps>(
+        GmmaDescriptor::kmajor(ds_tile + key_row0 * 128 + shared_col0 * 2),
+        query_rows(q_tile, shared_col0), dk, !kSplit && it == 0);
     wgmma_commit();
     wgmma_wait<1>();  // dV and dQ (head dim 256: and the RS part of dK)
     fence_registers(dv);
