@@ -1,11 +1,12 @@
 #!/bin/bash
 # ncu, our v3 kernel against cuDNN's on one shape, one jax call each (tests/gpu/ncu_probe.py):
-# launch facts, throughput, warp states, instruction counts; for ours also the per-instruction
-# source page, summarized by tests/gpu/ncu_source_summary.py. On the GPU machine, from the
-# repository root, after `bash tests/gpu/run_device.sh build` (the extension in /tmp/site):
+# launch facts, throughput, warp states, instruction counts, and for both kernels the
+# per-instruction SASS page (cuDNN's has no source lines, its SASS and stall samples are there),
+# summarized by tests/gpu/ncu_source_summary.py. On the GPU machine, from the repository root,
+# after `bash tests/gpu/run_device.sh build` (the extension in /tmp/site):
 #   bash tests/gpu/ncu_compare.sh fwd|bwd B T N K H CAUSAL [PER]
 # PER: units of work for per-unit counts (e.g. the backward's 64 x 128 steps). Writes
-# $OUT/ncu_<mode>_<shape>_{v3,cudnn}.txt and ncu_<mode>_<shape>_v3_sass.csv (3 files).
+# $OUT/ncu_<mode>_<shape>_{v3,cudnn}.txt and ncu_<mode>_<shape>_{v3,cudnn}_sass.csv (4 files).
 set -u
 mode=$1; shift; shape="$1 $2 $3 $4 $5 $6"; per=${7:-}
 tag="ncu_${mode}_$(echo $shape | tr ' ' '_')"
@@ -15,19 +16,18 @@ SECTIONS="--section LaunchStats --section SpeedOfLight --section Occupancy --sec
   --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section InstructionStats"
 declare -A kernel=([v3_fwd]=v3_forward_kernel [v3_bwd]=v3_backward_kernel [cudnn_fwd]=fprop [cudnn_bwd]=bprop)
 for impl in v3 cudnn; do
-  extra=""; [ $impl = v3 ] && extra="--section SourceCounters -o /tmp/${tag}_v3 -f"
   # ncu_probe makes two calls: the second, warm one is profiled.
-  timeout 240 ncu --clock-control none $SECTIONS $extra --kernel-name regex:"${kernel[${impl}_$mode]}" \
-    --launch-skip 1 --launch-count 1 python3 tests/gpu/ncu_probe.py $impl $mode $shape \
-    > "$OUT/${tag}_$impl.txt" 2>&1
+  timeout 240 ncu --clock-control none $SECTIONS --section SourceCounters -o /tmp/${tag}_$impl -f \
+    --kernel-name regex:"${kernel[${impl}_$mode]}" --launch-skip 1 --launch-count 1 \
+    python3 tests/gpu/ncu_probe.py $impl $mode $shape > "$OUT/${tag}_$impl.txt" 2>&1
   echo "ncu $impl $mode $shape rc=$?"
+  [ -f /tmp/${tag}_$impl.ncu-rep ] || continue
+  ncu -i /tmp/${tag}_$impl.ncu-rep --page details >> "$OUT/${tag}_$impl.txt" 2>&1
+  ncu -i /tmp/${tag}_$impl.ncu-rep --page source --csv --print-source sass \
+    > "$OUT/${tag}_${impl}_sass.csv"
+  python3 tests/gpu/ncu_source_summary.py "$OUT/${tag}_${impl}_sass.csv" ${per:+--per $per} \
+    --top 15 >> "$OUT/${tag}_$impl.txt"
 done
-if [ -f /tmp/${tag}_v3.ncu-rep ]; then
-  ncu -i /tmp/${tag}_v3.ncu-rep --page details >> "$OUT/${tag}_v3.txt" 2>&1
-  ncu -i /tmp/${tag}_v3.ncu-rep --page source --csv --print-source sass > "$OUT/${tag}_v3_sass.csv"
-  python3 tests/gpu/ncu_source_summary.py "$OUT/${tag}_v3_sass.csv" ${per:+--per $per} --top 15 \
-    >> "$OUT/${tag}_v3.txt"
-fi
 for impl in v3 cudnn; do
   echo "== $impl"
   grep -E "^  [a-z_].*\(|Duration|SM Frequency|Executed Instructions |Issue Slots Busy|Compute \(SM\) Thr|Grid Size|Block Size|Registers Per|Dynamic Shared Memory Per|L2 Hit Rate " \
