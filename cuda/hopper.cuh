@@ -288,9 +288,8 @@ __device__ __forceinline__ void gemm_ss_kmajor(uint32_t a_rows, uint32_t a_slab_
   constexpr auto idx = std::make_index_sequence<kAcc>{};
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-    const uint32_t slab = kk / 4, column_bytes = (kk % 4) * 32;
-    const uint64_t a = kmajor_descriptor(a_rows + slab * a_slab_bytes + column_bytes);
-    const uint64_t b = kmajor_descriptor(b_tile + slab * b_slab_bytes + column_bytes);
+    const uint64_t a = kmajor_descriptor(a_rows + kmajor_step_bytes(kk, a_slab_bytes));
+    const uint64_t b = kmajor_descriptor(b_tile + kmajor_step_bytes(kk, b_slab_bytes));
     gmma_ss<Op>(a, b, acc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
   }
 }
