@@ -279,18 +279,18 @@ __device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t b, floa
   Op::fma(a[0], a[1], a[2], a[3], b, d[I]..., gmma::ScaleOut::One);
 }
 
-// acc = A Bᵀ over the head dim, both operands K-major in 64-column slabs of 128-byte rows:
-// A is 64 rows starting at a_rows, B the tile at b_tile; *_slab_bytes step one slab of each.
-template <class Op, int kHeadDim, int kAcc>
-__device__ __forceinline__ void gemm_ss_kmajor(uint32_t a_rows, uint32_t a_slab_bytes,
-                                               uint32_t b_tile, uint32_t b_slab_bytes,
+// acc = A Bᵀ over kHeadDim, both operands K-major in 64-column slabs of 128-byte rows: a and b
+// describe each operand's first k-step (row 0 of its slab 0), kASlabBytes / kBSlabBytes step one
+// slab. Each k-step advances the descriptors by a constant instead of building them again.
+template <class Op, int kHeadDim, uint32_t kASlabBytes, uint32_t kBSlabBytes, int kAcc>
+__device__ __forceinline__ void gemm_ss_kmajor(GmmaDescriptor a, GmmaDescriptor b,
                                                float (&acc)[kAcc]) {
   constexpr auto idx = std::make_index_sequence<kAcc>{};
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-    const uint64_t a = kmajor_descriptor(a_rows + kmajor_step_bytes(kk, a_slab_bytes));
-    const uint64_t b = kmajor_descriptor(b_tile + kmajor_step_bytes(kk, b_slab_bytes));
-    gmma_ss<Op>(a, b, acc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
+    gmma_ss<Op>(a.bits, b.bits, acc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
+    a = a.advanced(kmajor_step_bytes(kk + 1, kASlabBytes) - kmajor_step_bytes(kk, kASlabBytes));
+    b = b.advanced(kmajor_step_bytes(kk + 1, kBSlabBytes) - kmajor_step_bytes(kk, kBSlabBytes));
   }
 }
 

@@ -467,14 +467,7 @@ template <class Cfg>
 __device__ __forceinline__ void issue_keys_by_queries(GmmaDescriptor x, GmmaDescriptor y,
                                                       float (&acc)[Cfg::kScoreCols / 2]) {
   using Op = typename Gmma<typename Cfg::Element, Cfg::kScoreCols>::template SS<>;
-  constexpr auto idx = std::make_index_sequence<Cfg::kScoreCols / 2>{};
-  constexpr uint32_t kXSlab = Cfg::kBlockN * 128, kYSlab = Cfg::kBlockM * 128;
-#pragma unroll
-  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
-    gmma_ss<Op>(x.bits, y.bits, acc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
-    x = x.advanced(kmajor_step_bytes(kk + 1, kXSlab) - kmajor_step_bytes(kk, kXSlab));
-    y = y.advanced(kmajor_step_bytes(kk + 1, kYSlab) - kmajor_step_bytes(kk, kYSlab));
-  }
+  gemm_ss_kmajor<Op, Cfg::kHeadDim, Cfg::kBlockN * 128, Cfg::kBlockM * 128>(x, y, acc);
 }
 
 template <class Op, int N, size_t... I>

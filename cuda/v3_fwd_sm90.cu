@@ -211,7 +211,8 @@ template <class Cfg>
 __device__ __forceinline__ void issue_qk(uint32_t q_rows, uint32_t k_tile,
                                          float (&s)[Cfg::kBlockN / 2]) {
   using Op = typename Gmma<typename Cfg::Element, Cfg::kBlockN>::template SS<>;
-  gemm_ss_kmajor<Op, Cfg::kHeadDim>(q_rows, Cfg::kBlockM * 128, k_tile, Cfg::kBlockN * 128, s);
+  gemm_ss_kmajor<Op, Cfg::kHeadDim, Cfg::kBlockM * 128, Cfg::kBlockN * 128>(
+      GmmaDescriptor::kmajor(q_rows), GmmaDescriptor::kmajor(k_tile), s);
 }
 
 // o += P V with P in registers (the A fragments of 16-column steps) and V MN-major.
