@@ -103,4 +103,13 @@ inline void fill_random(jax_flash::DType dtype, void* x, int64_t n, uint64_t see
   CUDA_CHECK(cudaGetLastError());
 }
 
+// The properties of device 0, printed as the first line of a harness's output.
+inline cudaDeviceProp announce_device() {
+  cudaDeviceProp prop;
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, sm_%d%d, %d SMs\n", prop.name, prop.major, prop.minor,
+              prop.multiProcessorCount);
+  return prop;
+}
+
 }  // namespace harness

@@ -719,10 +719,7 @@ constexpr const char* kUsage =
 
 int main(int argc, char** argv) {
   bool ok = true;
-  cudaDeviceProp prop;
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, sm_%d%d, %d SMs\n", prop.name, prop.major, prop.minor,
-              prop.multiProcessorCount);
+  [[maybe_unused]] const cudaDeviceProp prop = harness::announce_device();  // --timeline: SMs
   const std::vector<Case> grid = grid_cases();
   for (int i = 1; i < argc; ++i) {
     const std::string mode = argv[i];

@@ -830,10 +830,7 @@ constexpr const char* kUsage =
 
 int main(int argc, char** argv) {
   bool ok = true;
-  cudaDeviceProp prop;
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, sm_%d%d, %d SMs\n", prop.name, prop.major, prop.minor,
-              prop.multiProcessorCount);
+  harness::announce_device();
   if (argc < 2) {
     std::fprintf(stderr, kUsage, argv[0]);
     return 2;
