@@ -214,6 +214,9 @@ __host__ __device__ constexpr uint32_t kmajor_step_bytes(int kk, uint32_t slab_b
   return (kk / 4) * slab_bytes + (kk % 4) * 32;
 }
 
+// The byte offset of k-step kk (16 rows of 128 bytes) of an MN-major operand.
+__host__ __device__ constexpr uint32_t mnmajor_step_bytes(int kk) { return kk * 16 * 128; }
+
 // A wgmma descriptor made once per operand tile (kmajor_descriptor / mnmajor_descriptor's
 // fields) and moved along the operand by `advanced`: one 32-bit add per k-step of a byte count
 // that is a compile-time constant once the k-loop is unrolled. Rebuilt from the address for
@@ -302,7 +305,7 @@ __device__ __forceinline__ void gemm_rs_mnmajor(const uint32_t (&a)[kSteps][4], 
   constexpr auto idx = std::make_index_sequence<kAcc>{};
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
-    const uint64_t b = mnmajor_descriptor(b_tile + kk * 16 * 128, b_slab_bytes);
+    const uint64_t b = mnmajor_descriptor(b_tile + mnmajor_step_bytes(kk), b_slab_bytes);
     gmma_rs<Op>(a[kk], b, acc, idx);
   }
 }

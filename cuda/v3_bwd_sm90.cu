@@ -496,7 +496,8 @@ __device__ __forceinline__ void issue_rs_gradient(const uint32_t (&a)[kSteps][4]
   constexpr auto idx = std::make_index_sequence<Cfg::kGradCols / 2>{};
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
-    const GmmaDescriptor b = GmmaDescriptor::mnmajor(b_rows + kk * 16 * 128, Cfg::kBlockM * 128);
+    const GmmaDescriptor b =
+        GmmaDescriptor::mnmajor(b_rows + mnmajor_step_bytes(kk), Cfg::kBlockM * 128);
     gmma_rs_scaled<Op>(a[kk], b.bits, acc,
                        first && kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
   }
@@ -522,7 +523,7 @@ __device__ __forceinline__ void issue_ss_gradient(GmmaDescriptor a, uint32_t b_r
     gmma_ss<Op>(a.bits, b.bits, acc,
                 first && kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
     a = a.advanced(kmajor_step_bytes(kk + 1, kASlab) - kmajor_step_bytes(kk, kASlab));
-    b = b.advanced(16 * 128);
+    b = b.advanced(mnmajor_step_bytes(1));
   }
 }
 
@@ -540,8 +541,8 @@ __device__ __forceinline__ void issue_dq(GmmaDescriptor ds, GmmaDescriptor k, in
 #pragma unroll
   for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
     gmma_ss<Op>(ds.bits, k.bits, dq, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
-    ds = ds.advanced(2048);
-    k = k.advanced(2048);
+    ds = ds.advanced(mnmajor_step_bytes(1));
+    k = k.advanced(mnmajor_step_bytes(1));
   }
 }
 
