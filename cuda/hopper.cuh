@@ -184,6 +184,14 @@ __device__ __forceinline__ float exp2_mufu(float x) {
   return y;
 }
 
+// log2 x for normal x (subnormals flush to zero; __log2f scales them first, a compare and two
+// predicated instructions more).
+__device__ __forceinline__ float log2_mufu(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float tanh_mufu(float x) {
   float y;
   asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));

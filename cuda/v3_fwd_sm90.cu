@@ -242,10 +242,13 @@ struct Tile {
 // come first, heads innermost. Returns false when the unit has no `second` tile.
 template <class Cfg>
 __device__ bool decode_tile(const Params& p, int unit, bool second, Tile& t) {
+  // Tested before the unit's decode, a chain of dependent multiply-shifts that every tile
+  // boundary would otherwise run twice without pairs.
+  if (second && !p.pair_m_blocks) return false;
   int bh;
   const int order = p.groups.order_of(unit, &bh);
   const int first_m_block = p.num_m_blocks - 1 - order;
-  if (second && (!p.pair_m_blocks || order >= first_m_block)) return false;
+  if (second && order >= first_m_block) return false;
 
   t.batch = p.div_num_heads.divmod(bh, t.head);
   t.m_block = second ? order : first_m_block;
@@ -462,22 +465,37 @@ struct FinishedTile {
   float inv_sum[2];   // 1 / row sum of this thread's two rows (0: no kept key)
 };
 
+// 1 / x for a row sum of a row with a kept key: the MUFU reciprocal and one Newton step, the
+// fast path of `1.f / x` (rcp.rn), bit for bit. The sum is about 1 or more (the element at the
+// row max contributes exp2(0), more against a stale max) and below 2^40, far inside the range
+// where that path is exact; `1.f / x` also tests the exponent and branches to a subroutine for
+// extreme operands, which kept ptxas from overlapping the two rows' finishes.
+__device__ __forceinline__ float reciprocal_of_sum(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return fmaf(r, fmaf(-x, r, 1.f), r);
+}
+
 // Writes the lse of this thread's two rows (rows < q_len, by the lane that holds column 0 of
-// the row) and returns what the output needs. row_lo: the warpgroup's first row.
+// the row) and returns what the output needs. row_lo: the warpgroup's first row. Branch-free, so
+// that the two rows' shuffles, reciprocals and logs overlap: this runs between a tile's last
+// softmax and the next tile's first GEMM turn.
 template <class Cfg>
 __device__ __forceinline__ FinishedTile finish_tile(const Params& p, const Tile& t, int row_lo,
                                                     const Lane& lane, const RowStats& st,
                                                     int q_buffer) {
   FinishedTile f = {row_lo, t.head, t.batch, q_buffer, {}};
+  float* const lse_rows = p.lse + (int64_t(t.batch) * p.num_heads + t.head) * p.q_len;
+  float sum[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) sum[r] = quad_sum(st.sum[r]);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int q = row_lo + lane.row0 + 8 * r;
-    const float sum = quad_sum(st.sum[r]);
     const bool none_kept = st.max[r] == -INFINITY;
-    f.inv_sum[r] = none_kept ? 0.f : 1.f / sum;
+    f.inv_sum[r] = none_kept ? 0.f : reciprocal_of_sum(sum[r]);
     if (lane.col0 == 0 && q < p.q_len) {
-      p.lse[(int64_t(t.batch) * p.num_heads + t.head) * p.q_len + q] =
-          none_kept ? -INFINITY : (st.max[r] * p.scale_log2 + __log2f(sum)) * kLn2;
+      lse_rows[q] = none_kept ? -INFINITY : (st.max[r] * p.scale_log2 + log2_mufu(sum[r])) * kLn2;
     }
   }
   return f;
