@@ -132,9 +132,6 @@ __device__ __forceinline__ void bulk_read_wait_then_arrive_if(bool pred, uint32_
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
-__device__ __forceinline__ void st_shared_b32(uint32_t address, uint32_t value) {
-  asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(value) : "memory");
-}
 
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");

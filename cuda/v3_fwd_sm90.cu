@@ -610,20 +610,21 @@ __device__ __forceinline__ void stage_output(const Params& p, const FinishedTile
                                              const ConsumerState& c,
                                              const float (&o)[Cfg::kHeadDim / 2]) {
   using Element = typename Cfg::Element;
+  constexpr int kSteps = Cfg::kHeadDim / 16;
   const uint32_t q_rows = c.q_rows + f.q_buffer * Cfg::kQBytes;
+  // O / row sum as A fragments (register j: the row + 8 (j % 2), whose 1 / sum it takes), one
+  // stmatrix per 16 columns instead of a 4-byte store per 2 columns and row.
+  uint32_t a[kSteps][4];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = c.lane.row0 + 8 * r;  // in the warpgroup's 64; row % 8 = lane / 4
+  for (int kk = 0; kk < kSteps; ++kk) {
 #pragma unroll
-    for (int ch = 0; ch < Cfg::kHeadDim / 8; ++ch) {
-      // 128-byte swizzle: 16-byte chunk k of a 128-byte row sits at chunk k ^ (row % 8); the
-      // 8 rows x 4 lanes of one store hit 32 different banks.
-      const uint32_t address = q_rows + (ch / 8) * (Cfg::kBlockM * 128) + row * 128 +
-                               (((ch % 8) ^ (row % 8)) << 4) + c.lane.col0 * 2;
-      st_shared_b32(address, pack2<Element>(o[4 * ch + 2 * r] * f.inv_sum[r],
-                                            o[4 * ch + 2 * r + 1] * f.inv_sum[r]));
+    for (int j = 0; j < 4; ++j) {
+      a[kk][j] = pack2<Element>(o[8 * kk + 2 * j] * f.inv_sum[j % 2],
+                                o[8 * kk + 2 * j + 1] * f.inv_sum[j % 2]);
     }
   }
+  store_fragments_swizzled(q_rows, Cfg::kBlockM * 128, c.lane.row0 & ~15, 0, threadIdx.x % 32,
+                           a);
   fence_proxy_async_shared();
   named_barrier_sync(output_barrier<Cfg>(c.warpgroup), 128);
   if (c.leader) {
