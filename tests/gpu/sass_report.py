@@ -5,8 +5,9 @@
 NEW / BASE: a cubin-carrying object or executable (cuobjdump -sass reads both), or a text file
 cuobjdump -sass already wrote. Per kernel (names with the anonymous namespace's per-build token
 normalized, so that two builds' kernels pair up): static instructions without NOPs, STL / LDL
-(spill stores / loads; local arrays would count too), and every loop, i.e. every backward branch
-whose body has at least --min-loop instructions, with its most frequent opcodes. With BASE, each
+(spill stores / loads; local arrays would count too), and the innermost loops whose bodies (a
+backward branch's target .. the branch) have at least --min-loop instructions, with their most
+frequent opcodes (the key-block loops, the producer's loop). With BASE, each
 figure reads base -> new and the kernel is marked "identical" when its instructions are, byte for
 byte after the normalization. The question a kernel change raises first is whether the hot loop
 moved: sessions 9-11 answered it with one-off scripts each time (docs/perf-notes-v3.md).
