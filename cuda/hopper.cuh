@@ -250,6 +250,14 @@ struct GmmaDescriptor {
     asm("mov.b64 %0, {%1, %2};" : "=l"(moved) : "r"(lo + (bytes >> 4)), "r"(hi));
     return {moved};
   }
+  // This descriptor of k-step kk of a K-major operand (slabs slab_bytes apart), moved to kk + 1.
+  __device__ __forceinline__ GmmaDescriptor next_kmajor_step(int kk, uint32_t slab_bytes) const {
+    return advanced(kmajor_step_bytes(kk + 1, slab_bytes) - kmajor_step_bytes(kk, slab_bytes));
+  }
+  // This descriptor of a k-step of an MN-major operand, moved to the next one.
+  __device__ __forceinline__ GmmaDescriptor next_mnmajor_step() const {
+    return advanced(mnmajor_step_bytes(1));
+  }
 };
 
 // The CUTLASS wgmma instruction wrappers for an m64nNk16 product with fp32 accumulators, by
@@ -297,8 +305,8 @@ __device__ __forceinline__ void gemm_ss_kmajor(GmmaDescriptor a, GmmaDescriptor 
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / 16; ++kk) {
     gmma_ss<Op>(a.bits, b.bits, acc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
-    a = a.advanced(kmajor_step_bytes(kk + 1, kASlabBytes) - kmajor_step_bytes(kk, kASlabBytes));
-    b = b.advanced(kmajor_step_bytes(kk + 1, kBSlabBytes) - kmajor_step_bytes(kk, kBSlabBytes));
+    a = a.next_kmajor_step(kk, kASlabBytes);
+    b = b.next_kmajor_step(kk, kBSlabBytes);
   }
 }
 

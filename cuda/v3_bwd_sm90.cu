@@ -516,14 +516,13 @@ __device__ __forceinline__ void issue_ss_gradient(GmmaDescriptor a, uint32_t b_r
   using Op = typename Gmma<typename Cfg::Element, Cfg::kGradCols>::template SS<gmma::Major::K,
                                                                               gmma::Major::MN>;
   constexpr auto idx = std::make_index_sequence<Cfg::kGradCols / 2>{};
-  constexpr uint32_t kASlab = Cfg::kBlockN * 128;
   GmmaDescriptor b = GmmaDescriptor::mnmajor(b_rows, Cfg::kBlockM * 128);
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
     gmma_ss<Op>(a.bits, b.bits, acc,
                 first && kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
-    a = a.advanced(kmajor_step_bytes(kk + 1, kASlab) - kmajor_step_bytes(kk, kASlab));
-    b = b.advanced(mnmajor_step_bytes(1));
+    a = a.next_kmajor_step(kk, Cfg::kBlockN * 128);
+    b = b.next_mnmajor_step();
   }
 }
 
@@ -541,8 +540,8 @@ __device__ __forceinline__ void issue_dq(GmmaDescriptor ds, GmmaDescriptor k, in
 #pragma unroll
   for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
     gmma_ss<Op>(ds.bits, k.bits, dq, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, idx);
-    ds = ds.advanced(mnmajor_step_bytes(1));
-    k = k.advanced(mnmajor_step_bytes(1));
+    ds = ds.next_mnmajor_step();
+    k = k.next_mnmajor_step();
   }
 }
 
