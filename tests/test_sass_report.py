@@ -75,6 +75,9 @@ def test_report_against_a_base_build():
   assert lines[0] == "_ZN9jax_flash47NS6kernelEv"
   assert lines[1] == "  instructions 10 -> 13, STL 0 -> 1, LDL 0 -> 1"
   assert lines[2].startswith("    loop 0x20..0x70: 5 -> 6 instructions (FMNMX 2")
+  lines = sass_report.report(grown, {}, "kernel", min_loop=3)
+  assert lines[:2] == ["_ZN9jax_flash47NS6kernelEv  (not in base)",
+                       "  instructions 13, STL 1, LDL 1"]
   alone = sass_report.report(grown, None, "", min_loop=3)
   assert "_ZN9jax_flash47NS5otherEv" in alone
   assert "    loop 0x20..0x70: 6 instructions" in " ".join(alone)

@@ -141,15 +141,12 @@ def report(new: dict[str, list[Instruction]], base: dict[str, list[Instruction]]
     if kernel_filter not in name:
       continue
     old = base.get(name) if base is not None else None
-    if base is not None and old is None:
-      lines.append(f"{name}: not in base")
-      old_loops: list[Loop] = []
-    else:
-      old_loops = loops(old, min_loop) if old is not None else []
+    old_loops = loops(old, min_loop) if old is not None else []
     same = old is not None and [i.text for i in old] == [i.text for i in instructions]
     stl, ldl = local_memory(instructions)
     old_stl, old_ldl = local_memory(old) if old is not None else (None, None)
-    lines.append(f"{name}{'  (identical)' if same else ''}")
+    note = "  (identical)" if same else "  (not in base)" if base is not None and old is None else ""
+    lines.append(f"{name}{note}")
     lines.append(f"  instructions {_pair(None if old is None else len(old), len(instructions))}, "
                  f"STL {_pair(old_stl, stl)}, LDL {_pair(old_ldl, ldl)}")
     new_loops = loops(instructions, min_loop)
