@@ -28,7 +28,8 @@
 //     grouped by heads whose K / V fit in L2.
 //
 // Tiles (kBlockM x kBlockN): head dim 64: 128 x 128, or 192 x 128 (three consumer warpgroups)
-// on long sequences; 128: 128 x 128; 256: 128 x 80. Two K / V stages.
+// on long sequences; 128: 128 x 128, or 128 x 192 on long unmasked ones; 256: 128 x 80. Two
+// K / V stages.
 //
 // Shared memory tiles are 64-column slabs of 128-byte rows in the 128-byte swizzle that TMA
 // writes and wgmma reads (slab c of a tile with R rows starts at c * R * 128 bytes). K-major
@@ -923,30 +924,50 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
 // Host side
 // ------------------------------------------------------------------------------------------
 
-// Tile shapes per head dim (FlashAttention-3's choices where they fit this kernel's layout).
-// kTall: head dim 64 also has a 192-row tile (three consumer warpgroups), see use_tall_tile.
-template <typename Element, int kHeadDim, bool kTall, bool kConditionalRescale,
+// Tile shapes per head dim (FlashAttention-3's choices where they fit this kernel's layout),
+// and the alternatives that use_tile picks by sequence length and masking:
+//   kTall: head dim 64, 192 x 128 (three consumer warpgroups);
+//   kWide: head dim 128, 128 x 192: each key block's fixed cost (row-max reductions, pingpong
+//          hand-offs, wgmma waits) spread over 1.5x the keys; one Q buffer (next to two 192-key
+//          K / V stages shared memory holds no second one), so no tile fusion. (Head dim 64's 128 x 256 does
+//          not fit: S of the next block, P and O need more than 240 registers, and ptxas
+//          serializes the wgmmas.)
+enum class TileShape { kStandard, kTall, kWide };
+constexpr int kWideBlockN = 192;
+template <typename Element, int kHeadDim, TileShape kTile, bool kConditionalRescale,
           int kExp2EmulationPeriod>
 struct ConfigFor;
-template <typename Element, bool kTall, bool R, int E>
-struct ConfigFor<Element, 64, kTall, R, E> {
-  using type = Config<Element, 64, 128, kTall ? 3 : 2, R, E>;
+template <typename Element, TileShape kTile, bool R, int E>
+struct ConfigFor<Element, 64, kTile, R, E> {
+  using type = Config<Element, 64, 128, kTile == TileShape::kTall ? 3 : 2, R, E>;
+};
+template <typename Element, TileShape kTile, bool R, int E>
+struct ConfigFor<Element, 128, kTile, R, E> {
+  using type = Config<Element, 128, kTile == TileShape::kWide ? kWideBlockN : 128, 2, R, E>;
 };
 template <typename Element, bool R, int E>
-struct ConfigFor<Element, 128, false, R, E> {
-  using type = Config<Element, 128, 128, 2, R, E>;
-};
-template <typename Element, bool R, int E>
-struct ConfigFor<Element, 256, false, R, E> {
+struct ConfigFor<Element, 256, TileShape::kStandard, R, E> {
   using type = Config<Element, 256, 80, 2, R, E>;
 };
 
 // Head dim 64: the 192-row tile is faster on long sequences (T = 16384: +19% non-causal, +10%
 // causal) and slower on short or causal ones, where its partial and diagonal tiles waste more
-// (T = 1024 causal: -13%); measured in docs/perf-notes-v3.md.
-bool use_tall_tile(const ForwardArgs& a) {
-  const bool causal_like = a.spec.is_causal || a.spec.window_right >= 0;
-  return a.shape.head_dim == 64 && a.shape.q_len >= (causal_like ? 8192 : 2048);
+// (T = 1024 causal: -13%); measured in docs/perf-notes-v3.md. Head dim 128: the wide tile on
+// long sequences (4096 rows on) where no mask cuts its key blocks (a masked diagonal block
+// wastes more) and its last, partial key block pads the keys by at most 1% more than 128-key
+// blocks do.
+TileShape use_tile(const ForwardArgs& a) {
+  const MaskSpec& m = a.spec;
+  const bool causal_like = m.is_causal || m.window_right >= 0;
+  const int64_t t = a.shape.q_len, s = a.shape.kv_len;
+  if (a.shape.head_dim == 64)
+    return t >= (causal_like ? 8192 : 2048) ? TileShape::kTall : TileShape::kStandard;
+  if (a.shape.head_dim != 128 || causal_like || m.window_left >= 0 || t < 4096)
+    return TileShape::kStandard;
+  const auto padded = [s](int64_t n) { return (s + n - 1) / n * n; };
+  return padded(kWideBlockN) * 100 <= padded(128) * 101
+             ? TileShape::kWide
+             : TileShape::kStandard;
 }
 
 // The switches the library runs per head dim (measured in docs/perf-notes-v3.md).
@@ -1010,14 +1031,14 @@ cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Launches the instantiation of (Element, kHeadDim, kTall) compiled for `tuning`: the head
+// Launches the instantiation of (Element, kHeadDim, kTile) compiled for `tuning`: the head
 // dim's default, plus (bf16, JAX_FLASH_V3_TUNING_VARIANTS builds) every switch combination.
-template <typename Element, int kHeadDim, bool kTall>
+template <typename Element, int kHeadDim, TileShape kTile>
 cudaError_t launch_tuned(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
                          cudaStream_t stream) {
   using D = DefaultTuning<kHeadDim>;
   if (tuning == D::value()) {
-    using Cfg = typename ConfigFor<Element, kHeadDim, kTall, D::kConditionalRescale,
+    using Cfg = typename ConfigFor<Element, kHeadDim, kTile, D::kConditionalRescale,
                                    D::kExp2EmulationPeriod>::type;
     return launch<Cfg>(a, sm_count, stream);
   }
@@ -1029,15 +1050,15 @@ cudaError_t launch_tuned(const ForwardArgs& a, const V3Tuning& tuning, int sm_co
     }
     const bool emulated = tuning.exp2_emulation_period != 0;
     if (tuning.conditional_rescale && emulated)
-      return launch<typename ConfigFor<Element, kHeadDim, kTall, true, kPeriod>::type>(
+      return launch<typename ConfigFor<Element, kHeadDim, kTile, true, kPeriod>::type>(
           a, sm_count, stream);
     if (tuning.conditional_rescale)
-      return launch<typename ConfigFor<Element, kHeadDim, kTall, true, 0>::type>(a, sm_count,
+      return launch<typename ConfigFor<Element, kHeadDim, kTile, true, 0>::type>(a, sm_count,
                                                                                stream);
     if (emulated)
-      return launch<typename ConfigFor<Element, kHeadDim, kTall, false, kPeriod>::type>(
+      return launch<typename ConfigFor<Element, kHeadDim, kTile, false, kPeriod>::type>(
           a, sm_count, stream);
-    return launch<typename ConfigFor<Element, kHeadDim, kTall, false, 0>::type>(a, sm_count,
+    return launch<typename ConfigFor<Element, kHeadDim, kTile, false, 0>::type>(a, sm_count,
                                                                               stream);
   }
 #endif
@@ -1049,10 +1070,14 @@ cudaError_t dispatch_head_dim(const ForwardArgs& a, const V3Tuning& tuning, int 
                               cudaStream_t stream) {
   switch (a.shape.head_dim) {
     case 64:
-      return use_tall_tile(a) ? launch_tuned<Element, 64, true>(a, tuning, sm_count, stream)
-                              : launch_tuned<Element, 64, false>(a, tuning, sm_count, stream);
-    case 128: return launch_tuned<Element, 128, false>(a, tuning, sm_count, stream);
-    case 256: return launch_tuned<Element, 256, false>(a, tuning, sm_count, stream);
+      return use_tile(a) == TileShape::kTall
+                 ? launch_tuned<Element, 64, TileShape::kTall>(a, tuning, sm_count, stream)
+                 : launch_tuned<Element, 64, TileShape::kStandard>(a, tuning, sm_count, stream);
+    case 128:
+      return use_tile(a) == TileShape::kWide
+                 ? launch_tuned<Element, 128, TileShape::kWide>(a, tuning, sm_count, stream)
+                 : launch_tuned<Element, 128, TileShape::kStandard>(a, tuning, sm_count, stream);
+    case 256: return launch_tuned<Element, 256, TileShape::kStandard>(a, tuning, sm_count, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -32,6 +32,9 @@ FORWARD_CASES = [
     Case(b=1, t=40, s=1100, n=2, k=2, h=64, is_causal=True),
     # long enough for v3's 192-row head dim 64 tile (non-causal, >= 2048 rows)
     Case(b=1, t=2100, s=2100, n=2, k=1, h=64),
+    # long enough for v3's 128 x 192 head dim 128 tile (non-causal, >= 4096 rows, keys that
+    # 192-key blocks do not pad more than 128-key ones: 384)
+    Case(b=1, t=4096, s=384, n=2, k=1, h=128),
     # head dims 8..256, including ones that are not a multiple of 8
     Case(b=1, t=33, s=40, n=2, k=2, h=20),
     Case(b=1, t=33, s=40, n=2, k=1, h=72),

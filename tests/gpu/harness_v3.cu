@@ -310,7 +310,7 @@ std::vector<Case> check_cases() {
   cs.push_back({bf, 1, 2048, 2048, 4, 4, 128, true});
   cs.push_back({bf, 2, 700, 1500, 2, 2, 256});
   cs.push_back({hf, 1, 1024, 1024, 4, 4, 64, true});
-  // Head dim 64 from these lengths on runs the 192-row tile (use_tall_tile in the kernel).
+  // Head dim 64 from these lengths on runs the 192-row tile (use_tile in the kernel).
   cs.push_back({bf, 1, 2100, 2100, 2, 1, 64});
   cs.push_back({hf, 1, 8200, 8200, 1, 1, 64, true});
   // More work units than SMs, so that every CTA runs several tiles: the two-buffer Q ring wraps
@@ -334,6 +334,11 @@ std::vector<Case> check_cases() {
   // head dim 64 put 2 of the 3 heads in a group; the causal one pairs its m-blocks.
   cs.push_back({bf, 1, 200, 40000, 3, 3, 64});
   cs.push_back({hf, 1, 600, 40000, 3, 3, 64, true});
+  // Head dim 128's wide tile (128 x 192 key blocks, one Q buffer; use_tile in the kernel):
+  // non-causal from 4096 query rows on, where 192-key blocks pad the keys no more than 128-key
+  // ones (384 = 2 x 192; 576 = 3 x 192, cut to 200 keys by kv_seqlens in batch 1).
+  cs.push_back({bf, 1, 4096, 384, 2, 1, 128});
+  cs.push_back(Case{hf, 2, 4100, 576, 2, 2, 128}.ragged({4100, 1000}, {576, 200}));
   return cs;
 }
 
@@ -738,6 +743,8 @@ int main(int argc, char** argv) {
       ok &= check_case({DType::kBF16, 8, 384, 384, 12, 4, 64}, 10);  // 288 tiles: several per CTA
       // 192 causal units: one-block tiles (m-block 0) between fused multi-block ones
       ok &= check_case({DType::kBF16, 4, 640, 640, 16, 4, 128, true}, 11);
+      // Head dim 128's wide tile (use_tile), 64 tiles
+      ok &= check_case({DType::kBF16, 1, 4096, 384, 2, 1, 128}, 12);
     } else if (mode == "bench") {
       ok &= bench(grid, 10);
     } else if (mode == "--bench-one" && i + 3 < argc) {
