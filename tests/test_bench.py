@@ -232,8 +232,11 @@ def test_mode_table_summarizes_ours_over_peer_like_the_bars():
 
   table = report.mode_table("fwd", [case("a", 200.0, 100.0), case("b", 100.0, 200.0),
                                     case("c", 300.0, 300.0)], repeats=3)
-  assert table.splitlines()[-1] == ("ours/peer over 3 rows: geometric mean 1.000, lowest 0.50, "
-                                    "highest 2.00")
+  assert table.splitlines()[-1] == ("ours/peer over 3 rows: geometric mean 1.0000, lowest "
+                                    "0.5000, highest 2.00")
+  # A bar's edge is not rounded over: 1.0495 is under 1.05.
+  edge = report.mode_table("fwd", [case("a", 104.95, 100.0)], repeats=3)
+  assert "geometric mean 1.0495, lowest 1.0495" in edge.splitlines()[-1]
 
 
 def test_mode_table_from_trace_uses_the_kernels_device_time():

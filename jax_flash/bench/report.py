@@ -86,10 +86,11 @@ def mode_table(mode: str, cases: list[dict], repeats: int, source: str = "median
     else:
       cells += f"{'':>{CELL}}"
     lines.append(f"{case['label']:<{label_width}}{cells}")
-  if ratios:  # the form the issues' bars take: a geometric mean and the worst row
+  if ratios:  # the form the issues' bars take: a geometric mean and the worst row, to four
+    # decimals so that a bar such as >= 1.05 is read off unrounded (1.0495 would print 1.050)
     geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-    lines.append(f"ours/peer over {len(ratios)} rows: geometric mean {geomean:.3f}, lowest "
-                 f"{min(ratios):.2f}, highest {max(ratios):.2f}")
+    lines.append(f"ours/peer over {len(ratios)} rows: geometric mean {geomean:.4f}, lowest "
+                 f"{min(ratios):.4f}, highest {max(ratios):.2f}")
   return "\n".join(lines)
 
 
