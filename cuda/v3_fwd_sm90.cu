@@ -15,12 +15,13 @@
 //     softmax of S_j runs while the tensor cores still work on PV_{j+1}.
 //   * inter-warpgroup ("pingpong"): a ring of named barriers lets one consumer warpgroup issue
 //     its GEMMs at a time, so one warpgroup's softmax overlaps the other's GEMMs.
-//   * across tiles (head dims 64 and 128, where three Q buffers fit): the producer loads the
-//     next tiles' Q while this one runs; a tile's last PV GEMM is issued together with the next
-//     tile's first S GEMM, like S_j with PV_{j+1} inside a tile (consume_tile), and each
-//     consumer warpgroup then writes the finished output into its own rows of that tile's Q
-//     buffer and stores it with TMA (stage_output). Head dim 256 runs the last PV alone and
-//     stores from registers (16-byte stores after a quad transpose) before the next tile.
+//   * across tiles (head dims 64 and 128 with 128-key blocks, where three Q buffers fit): the
+//     producer loads the next tiles' Q while this one runs; a tile's last PV GEMM is issued
+//     together with the next tile's first S GEMM, like S_j with PV_{j+1} inside a tile
+//     (consume_tile), and each consumer warpgroup then writes the finished output into its own
+//     rows of that tile's Q buffer and stores it with TMA (stage_output). Head dim 256 and the
+//     wide head dim 128 tile (one Q buffer) run the last PV alone and store from registers
+//     (16-byte stores after a quad transpose) before the next tile.
 //   * setmaxnreg moves registers from the producer (which needs few) to the consumers.
 //   * persistent grid, static schedule: CTA i takes work units i, i + grid, ... A unit is one
 //     tile, or under causal masking the pair of m-blocks {last - k, k}, whose costs add up to
@@ -98,11 +99,12 @@ struct Config {
   static constexpr int smem_bytes(int q_buffers) {
     return barrier_offset(q_buffers) + 8 * (2 * q_buffers + 4 * kStages) + 1024;
   }
-  // Three Q buffers where they fit (head dims 64 and 128; not 256): the next tile's Q loads
-  // while this tile runs, and each tile's output is staged in its own Q buffer and stored by TMA
-  // (see stage_output); the third lets every tile, one key block long or not, take the previous
-  // tile's last PV (release_staged_q). With one buffer, Q waits for the previous tile's last S
-  // GEMM and the output goes from registers to global memory.
+  // Three Q buffers where they fit (head dims 64 and 128 with 128-key blocks; not 256, not the
+  // wide 192-key tile): the next tile's Q loads while this tile runs, and each tile's output is
+  // staged in its own Q buffer and stored by TMA (see stage_output); the third lets every tile,
+  // one key block long or not, take the previous tile's last PV (release_staged_q). With one
+  // buffer, Q waits for the previous tile's last S GEMM and the output goes from registers to
+  // global memory.
   static constexpr int kQBuffers = smem_bytes(3) <= kSmemLimit ? 3 : 1;
   static constexpr bool kStageOutput = kQBuffers > 1;
   static constexpr int kKOffset = kv_offset(kQBuffers);
