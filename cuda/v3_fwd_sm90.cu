@@ -931,9 +931,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
 //   kTall: head dim 64, 192 x 128 (three consumer warpgroups);
 //   kWide: head dim 128, 128 x 192: each key block's fixed cost (row-max reductions, pingpong
 //          hand-offs, wgmma waits) spread over 1.5x the keys; one Q buffer (next to two 192-key
-//          K / V stages shared memory holds no second one), so no tile fusion. (Head dim 64's 128 x 256 does
-//          not fit: S of the next block, P and O need more than 240 registers, and ptxas
-//          serializes the wgmmas.)
+//          K / V stages shared memory holds no second one), so no tile fusion. Measured -1.0%
+//          at T = 16384 (docs/perf-notes-v3.md, session 12). Head dim 64's 128 x 256 does not
+//          fit: S of the next block, P and O need more than 240 registers, and ptxas serializes
+//          the wgmmas.
 enum class TileShape { kStandard, kTall, kWide };
 constexpr int kWideBlockN = 192;
 template <typename Element, int kHeadDim, TileShape kTile, bool kConditionalRescale,
