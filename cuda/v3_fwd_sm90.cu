@@ -29,8 +29,8 @@
 //     grouped by heads whose K / V fit in L2.
 //
 // Tiles (kBlockM x kBlockN): head dim 64: 128 x 128, or 192 x 128 (three consumer warpgroups)
-// on long sequences; 128: 128 x 128, or 128 x 192 on long unmasked ones; 256: 128 x 80. Two
-// K / V stages.
+// on long sequences; 128: 128 x 128, or 128 x 192 on long ones; 256: 128 x 80. Two K / V
+// stages.
 //
 // Shared memory tiles are 64-column slabs of 128-byte rows in the 128-byte swizzle that TMA
 // writes and wgmma reads (slab c of a tile with R rows starts at c * R * 128 bytes). K-major
@@ -932,9 +932,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
 //   kWide: head dim 128, 128 x 192: each key block's fixed cost (row-max reductions, pingpong
 //          hand-offs, wgmma waits) spread over 1.5x the keys; one Q buffer (next to two 192-key
 //          K / V stages shared memory holds no second one), so no tile fusion. Measured -1.0%
-//          at T = 16384 (docs/perf-notes-v3.md, session 12). Head dim 64's 128 x 256 does not
-//          fit: S of the next block, P and O need more than 240 registers, and ptxas serializes
-//          the wgmmas.
+//          at T = 16384, -2.2..-2.4% at T = 16384 causal (docs/perf-notes-v3.md, session 12).
+//          Head dim 64's 128 x 256 does not fit: S of the next block, P and O need more than
+//          240 registers, and ptxas serializes the wgmmas.
 enum class TileShape { kStandard, kTall, kWide };
 constexpr int kWideBlockN = 192;
 template <typename Element, int kHeadDim, TileShape kTile, bool kConditionalRescale,
@@ -956,16 +956,17 @@ struct ConfigFor<Element, 256, TileShape::kStandard, R, E> {
 // Head dim 64: the 192-row tile is faster on long sequences (T = 16384: +19% non-causal, +10%
 // causal) and slower on short or causal ones, where its partial and diagonal tiles waste more
 // (T = 1024 causal: -13%); measured in docs/perf-notes-v3.md. Head dim 128: the wide tile on
-// long sequences (4096 rows on) where no mask cuts its key blocks (a masked diagonal block
-// wastes more) and its last, partial key block pads the keys by at most 1% more than 128-key
-// blocks do.
+// long sequences without a left window, from 4096 rows on, or from 16384 under causal masking
+// (a diagonal block of 192 keys wastes 64 more per tile, which only long tiles hide: measured
+// -2.2..-2.4% at T = 16384), where its last, partial key block pads the keys by at most 1% more than
+// 128-key blocks do.
 TileShape use_tile(const ForwardArgs& a) {
   const MaskSpec& m = a.spec;
   const bool causal_like = m.is_causal || m.window_right >= 0;
   const int64_t t = a.shape.q_len, s = a.shape.kv_len;
   if (a.shape.head_dim == 64)
     return t >= (causal_like ? 8192 : 2048) ? TileShape::kTall : TileShape::kStandard;
-  if (a.shape.head_dim != 128 || causal_like || m.window_left >= 0 || t < 4096)
+  if (a.shape.head_dim != 128 || m.window_left >= 0 || t < (causal_like ? 16384 : 4096))
     return TileShape::kStandard;
   const auto padded = [s](int64_t n) { return (s + n - 1) / n * n; };
   return padded(kWideBlockN) * 100 <= padded(128) * 101
