@@ -958,8 +958,8 @@ struct ConfigFor<Element, 256, TileShape::kStandard, R, E> {
 // (T = 1024 causal: -13%); measured in docs/perf-notes-v3.md. Head dim 128: the wide tile on
 // long sequences without a left window, from 4096 rows on, or from 16384 under causal masking
 // (a diagonal block of 192 keys wastes 64 more per tile, which only long tiles hide: measured
-// -2.2..-2.4% at T = 16384), where its last, partial key block pads the keys by at most 1% more than
-// 128-key blocks do.
+// -2.2..-2.4% at T = 16384), where its last, partial key block pads the keys by at most 1% more
+// than 128-key blocks do.
 TileShape use_tile(const ForwardArgs& a) {
   const MaskSpec& m = a.spec;
   const bool causal_like = m.is_causal || m.window_right >= 0;
