@@ -13,9 +13,11 @@ def _f64(x):
 
 
 def keep_mask(batch, num_heads, q_len, kv_len, mask=None, q_seqlens=None, kv_seqlens=None, *,
-              is_causal=False, window_left=-1, window_right=-1) -> np.ndarray:
-  """Boolean [B, N, T, S]: which (query, key) pairs take part."""
-  t = np.arange(q_len)[:, None]
+              is_causal=False, window_left=-1, window_right=-1, q_offset=0) -> np.ndarray:
+  """Boolean [B, N, T, S]: which (query, key) pairs take part. q_offset: the position of the first
+  query row in its sequence, when the rows are a slice of it (causal, windows and q_seqlens
+  apply to row q_offset + t)."""
+  t = q_offset + np.arange(q_len)[:, None]
   s = np.arange(kv_len)[None, :]
   keep = np.ones((q_len, kv_len), bool)
   if is_causal:
@@ -27,9 +29,9 @@ def keep_mask(batch, num_heads, q_len, kv_len, mask=None, q_seqlens=None, kv_seq
   keep = np.broadcast_to(keep, (batch, num_heads, q_len, kv_len)).copy()
   if mask is not None:
     keep &= np.broadcast_to(np.asarray(mask, bool), keep.shape)
-  q_lens = np.full(batch, q_len) if q_seqlens is None else np.asarray(q_seqlens)
+  q_lens = np.full(batch, q_offset + q_len) if q_seqlens is None else np.asarray(q_seqlens)
   kv_lens = np.full(batch, kv_len) if kv_seqlens is None else np.asarray(kv_seqlens)
-  keep &= (np.arange(q_len)[None, :] < q_lens[:, None])[:, None, :, None]
+  keep &= (q_offset + np.arange(q_len)[None, :] < q_lens[:, None])[:, None, :, None]
   keep &= (np.arange(kv_len)[None, :] < kv_lens[:, None])[:, None, None, :]
   return keep
 
@@ -49,14 +51,15 @@ def _scores(q, k, bias, scale, softcap):
 
 
 def attention_forward_f64(q, k, v, bias=None, mask=None, q_seqlens=None, kv_seqlens=None, *,
-                          scale, softcap=0.0, is_causal=False, window_left=-1, window_right=-1):
-  """(out [B, T, N, H], lse [B, N, T]) in float64."""
+                          scale, softcap=0.0, is_causal=False, window_left=-1, window_right=-1,
+                          q_offset=0):
+  """(out [B, T, N, H], lse [B, N, T]) in float64; q_offset as in keep_mask."""
   q, k, v, bias = _f64(q), _f64(k), _f64(v), _f64(bias)
   b, t, n, _ = q.shape
   kx, vx = _expand_kv(k, n), _expand_kv(v, n)
   _, x = _scores(q, kx, bias, scale, softcap)
   keep = keep_mask(b, n, t, k.shape[1], mask, q_seqlens, kv_seqlens, is_causal=is_causal,
-                   window_left=window_left, window_right=window_right)
+                   window_left=window_left, window_right=window_right, q_offset=q_offset)
   p, lse = _masked_softmax(x, keep)
   out = np.einsum("bnts,bnsh->btnh", p, vx, optimize=True)
   return out, lse
@@ -77,7 +80,7 @@ def _masked_softmax(x, keep):
 
 def attention_backward_f64(q, k, v, dout, bias=None, mask=None, q_seqlens=None, kv_seqlens=None,
                            *, scale, softcap=0.0, is_causal=False, window_left=-1,
-                           window_right=-1):
+                           window_right=-1, q_offset=0):
   """(dq, dk, dv, dbias_full [B, N, T, S]) in float64, the exact gradient of attention_forward_f64."""
   q, k, v, dout, bias = _f64(q), _f64(k), _f64(v), _f64(dout), _f64(bias)
   b, t, n, _ = q.shape
@@ -85,7 +88,7 @@ def attention_backward_f64(q, k, v, dout, bias=None, mask=None, q_seqlens=None, 
   kx, vx = _expand_kv(k, n), _expand_kv(v, n)
   capped, x = _scores(q, kx, bias, scale, softcap)
   keep = keep_mask(b, n, t, k.shape[1], mask, q_seqlens, kv_seqlens, is_causal=is_causal,
-                   window_left=window_left, window_right=window_right)
+                   window_left=window_left, window_right=window_right, q_offset=q_offset)
   p, _ = _masked_softmax(x, keep)
   dvx = np.einsum("bnts,btnh->bnsh", p, dout, optimize=True)
   dp = np.einsum("btnh,bnsh->bnts", dout, vx, optimize=True)

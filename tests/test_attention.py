@@ -119,10 +119,28 @@ def test_forward_matches_float64(schedule, dtype, case, rng):
   assert np.max(np.abs(lse[finite] - want_lse[finite]), initial=0.0) <= lse_tol
 
 
+@pytest.mark.parametrize("kw", [dict(is_causal=True), dict(window_left=5, window_right=3),
+                                dict(is_causal=True, q_seqlens=[40, 23])], ids=str)
+def test_reference_of_a_row_slice_is_those_rows_of_the_whole(kw, rng):
+  """reference's q_offset (rows given as a slice of their sequence) against the whole sequence's
+  reference: what the long-sequence tests and the bench's check slices rely on."""
+  q, k, v, dout = (rng.standard_normal((2, 48, 2, 8)) for _ in range(4))
+  full_out, full_lse = reference.attention_forward_f64(q, k, v, scale=0.3, **kw)
+  full_grads = reference.attention_backward_f64(q, k, v, dout, scale=0.3, **kw)
+  rows = slice(20, 37)
+  out, lse = reference.attention_forward_f64(q[:, rows], k, v, scale=0.3, q_offset=20, **kw)
+  np.testing.assert_allclose(out, full_out[:, rows], rtol=1e-12, atol=1e-12)
+  np.testing.assert_allclose(lse, full_lse[:, :, rows], rtol=1e-12, atol=1e-12)  # -inf too
+  dq = reference.attention_backward_f64(q[:, rows], k, v, dout[:, rows], scale=0.3, q_offset=20,
+                                        **kw)[0]
+  # dq of a row depends on that row alone; dk / dv sum over rows, so only dq compares.
+  np.testing.assert_allclose(dq, full_grads[0][:, rows], rtol=1e-12, atol=1e-12)
+
+
 def test_v3_long_causal_rows_match_float64(rng):
   """v3's wide head dim 128 tile under causal masking (q_len >= 16384, use_tile in
   cuda/v3_fwd_sm90.cu), too long for the whole-matrix reference: the first and the last query
-  rows against a float64 reference of those rows (row offset folded into the mask)."""
+  rows against a float64 reference of those rows."""
   case = Case(b=1, t=16384, s=16384, n=1, k=1, h=128, dtype="bfloat16", is_causal=True)
   _require("v3", case)
   x = make_inputs(case, rng)
@@ -130,10 +148,8 @@ def test_v3_long_causal_rows_match_float64(rng):
                                                           schedule="v3"))(x.q, x.k, x.v)
   q, k, v = as_f64(x.q), as_f64(x.k), as_f64(x.v)
   for start in (0, case.t - 128):
-    rows = np.arange(start, start + 128)
-    keep = (np.arange(case.s)[None, :] <= rows[:, None])[None, None]
-    want, _ = reference.attention_forward_f64(q[:, rows], k, v, mask=keep,
-                                              scale=1 / np.sqrt(case.h))
+    want, _ = reference.attention_forward_f64(q[:, start:start + 128], k, v, is_causal=True,
+                                              q_offset=start, scale=1 / np.sqrt(case.h))
     err = np.max(np.abs(as_f64(out[:, start:start + 128]) - want))
     assert err <= OUT_ATOL["bfloat16"], f"rows {start}..: max abs error {err:.3g}"
 

@@ -84,16 +84,14 @@ def reference_outputs(case: Case, host: tuple[np.ndarray, ...],
                       where: CheckSlice) -> dict[str, np.ndarray]:
   """The float64 reference of the slice from reference_inputs' copies (host work only, so it can
   run beside device work): {"out"} or {"dq", "dk", "dv"}, each [rows|S, heads, H]."""
-  start, stop = where.rows
   q, k, v = host[:3]
-  mask = None
-  if case.causal:  # top-left causal with the slice's row offset: key s kept when s <= start + t
-    mask = (np.arange(case.kv_len)[None, :] <= start + np.arange(stop - start)[:, None])[None, None]
-  scale = 1.0 / math.sqrt(case.head_dim)
+  # top-left causal with the slice's row offset: key s kept when s <= start + t
+  rule = dict(scale=1.0 / math.sqrt(case.head_dim), is_causal=case.causal,
+              q_offset=where.rows[0])
   if case.mode != "fwdbwd":
-    out, _ = reference.attention_forward_f64(q, k, v, mask=mask, scale=scale)
+    out, _ = reference.attention_forward_f64(q, k, v, **rule)
     return {"out": out[0]}
-  dq, dk, dv, _ = reference.attention_backward_f64(q, k, v, host[3], mask=mask, scale=scale)
+  dq, dk, dv, _ = reference.attention_backward_f64(q, k, v, host[3], **rule)
   return {"dq": dq[0], "dk": dk[0], "dv": dv[0]}
 
 
