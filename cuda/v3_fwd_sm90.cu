@@ -1069,18 +1069,21 @@ cudaError_t launch_tuned(const ForwardArgs& a, const V3Tuning& tuning, int sm_co
   return cudaErrorNotSupported;
 }
 
+// The head dim's standard tile, or its alternative where use_tile picks that.
+template <typename Element, int kHeadDim, TileShape kAlternative>
+cudaError_t launch_tile(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
+                        cudaStream_t stream) {
+  return use_tile(a) == kAlternative
+             ? launch_tuned<Element, kHeadDim, kAlternative>(a, tuning, sm_count, stream)
+             : launch_tuned<Element, kHeadDim, TileShape::kStandard>(a, tuning, sm_count, stream);
+}
+
 template <typename Element>
 cudaError_t dispatch_head_dim(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
                               cudaStream_t stream) {
   switch (a.shape.head_dim) {
-    case 64:
-      return use_tile(a) == TileShape::kTall
-                 ? launch_tuned<Element, 64, TileShape::kTall>(a, tuning, sm_count, stream)
-                 : launch_tuned<Element, 64, TileShape::kStandard>(a, tuning, sm_count, stream);
-    case 128:
-      return use_tile(a) == TileShape::kWide
-                 ? launch_tuned<Element, 128, TileShape::kWide>(a, tuning, sm_count, stream)
-                 : launch_tuned<Element, 128, TileShape::kStandard>(a, tuning, sm_count, stream);
+    case 64: return launch_tile<Element, 64, TileShape::kTall>(a, tuning, sm_count, stream);
+    case 128: return launch_tile<Element, 128, TileShape::kWide>(a, tuning, sm_count, stream);
     case 256: return launch_tuned<Element, 256, TileShape::kStandard>(a, tuning, sm_count, stream);
     default: return cudaErrorInvalidValue;
   }
