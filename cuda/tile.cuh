@@ -487,12 +487,20 @@ struct Scores {
 // Online softmax over the rows a thread holds in C fragments
 // ---------------------------------------------------------------------------------------------
 
+// With conditional rescaling a row's running max stays stale until a tile's exceeds it by more
+// than this (log2 units), so that once the maxima settle most tiles rescale nothing
+// (FlashAttention-4's idea; v3 uses the same bound). Probabilities then reach at most 2^8, far
+// inside the range of bf16 / f16 and of the fp32 sums.
+constexpr float kRescaleThreshold = 8.f;
+
 // A thread holds rows 2m + half (half 0: lane/4, half 1: lane/4 + 8 of m-tile m). `sum` is this
 // thread's partial: the quad's four partials are added once, at the end.
-template <int MT>
+template <int MT, bool kConditionalRescale>
 struct RowSoftmax {
   static constexpr int kRows = 2 * MT;
-  float max[kRows];  // running max of exponent arguments (log2 units), -inf before any kept key
+  // Running max of exponent arguments (log2 units; with conditional rescaling up to
+  // kRescaleThreshold below the true one), -inf before any kept key.
+  float max[kRows];
   float sum[kRows];
 
   __device__ void init() {
@@ -502,7 +510,7 @@ struct RowSoftmax {
 
   // Exponentiates a tile of scores (times `mul`) in place against the updated row maxima and
   // returns in `rescale` the factor the rows' earlier accumulations must be multiplied by.
-  // Returns whether any row of the warp changed its maximum (else every factor is exactly 1).
+  // Returns whether any row of the warp moved its maximum (else every factor is exactly 1).
   template <int NT>
   __device__ bool update(float (&s)[MT][NT][4], float mul, float (&rescale)[kRows]) {
     bool changed = false;
@@ -513,7 +521,11 @@ struct RowSoftmax {
 #pragma unroll
       for (int n = 0; n < NT; ++n)
         tile_max = fmaxf(tile_max, fmaxf(s[m][n][2 * half], s[m][n][2 * half + 1]));
-      const float new_max = fmaxf(max[r], quad_max(tile_max) * mul);
+      const float tile_arg = quad_max(tile_max) * mul;
+      // NaN (nothing kept yet, nor in this tile) compares false: the max stays -inf.
+      const float new_max = !kConditionalRescale                       ? fmaxf(max[r], tile_arg)
+                            : tile_arg - max[r] > kRescaleThreshold ? tile_arg
+                                                                    : max[r];
       // A row with no kept key so far exponentiates against 0: every term is exp2(-inf) = 0.
       const float base = new_max == -INFINITY ? 0.f : new_max;
       rescale[r] = fast_exp2(max[r] - base);

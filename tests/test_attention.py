@@ -119,6 +119,29 @@ def test_forward_matches_float64(schedule, dtype, case, rng):
   assert np.max(np.abs(lse[finite] - want_lse[finite]), initial=0.0) <= lse_tol
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [Case(t=300, s=300, n=2, k=1, h=128),
+                                  Case(t=300, s=300, n=2, k=1, h=256, is_causal=True)], ids=str)
+def test_row_maxima_that_climb_along_the_keys_match_float64(schedule, dtype, case, rng):
+  """Keys whose norms grow along the sequence raise each row's max by more than v2 / v3's
+  conditional-rescaling bound (8 in log2 units, cuda/tile.cuh) in some key blocks and by less
+  in others: both the rescaling and the stale-max paths run, with probabilities up to 2^8."""
+  case = dataclasses.replace(case, dtype=dtype)
+  _require(schedule, case)
+  x = make_inputs(case, rng)
+  growth = jnp.linspace(1.0, 12.0, case.s)[None, :, None, None]
+  x = dataclasses.replace(x, k=(x.k.astype(jnp.float32) * growth).astype(dtype))
+  out, lse = jax.jit(lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=case.is_causal, return_residual=True, schedule=schedule))(x.q, x.k, x.v)
+  want_out, want_lse = reference_forward(case, x)
+  err = np.max(np.abs(as_f64(out) - want_out))
+  assert err <= OUT_ATOL[dtype], f"{case}: max abs error {err:.3g} > {OUT_ATOL[dtype]}"
+  lse = as_f64(jnp.transpose(lse, (0, 2, 1)))
+  lse_tol = 4 * OUT_ATOL[dtype] * max(1.0, np.max(np.abs(want_lse)))
+  assert np.max(np.abs(lse - want_lse)) <= lse_tol
+
+
 @pytest.mark.parametrize("kw", [dict(is_causal=True), dict(window_left=5, window_right=3),
                                 dict(is_causal=True, q_seqlens=[40, 23])], ids=str)
 def test_reference_of_a_row_slice_is_those_rows_of_the_whole(kw, rng):

@@ -6,6 +6,7 @@
 //   harness_v1v2 --quick    a few small cases (for compute-sanitizer)
 //   harness_v1v2 --bench    the benchmark grid's H=128 rows: TFLOP/s of v1 and v2, forward and
 //                           forward+backward (BENCHMARK.md counting), outputs spot-checked
+//   --head-dim H            --bench / --tune on the grid's rows of head dim H (64, 128, 256)
 //   harness_v1v2 --profile  one v2 forward + backward at H=128, T=4096 (for ncu)
 //   --seed N                replay a seed (printed at start)
 //
@@ -639,14 +640,15 @@ void tune_row(const Problem& p, Device& d, const ForwardArgs& fa, const Backward
 #endif
 
 // With `variants` (tuning build), each row also times the alternative v2 schedules.
-void bench(std::mt19937_64& rng, bool variants) {
-  std::printf("\nbench: bf16, B*T = 16384, N*H = 2048, H = 128 (TFLOP/s; fwd = 4BNTSH, halved "
-              "when causal; fwd+bwd = 3.5x)\n");
+void bench(std::mt19937_64& rng, bool variants, int head_dim) {
+  std::printf("\nbench: bf16, B*T = 16384, N*H = 2048, H = %d (TFLOP/s; fwd = 4BNTSH, halved "
+              "when causal; fwd+bwd = 3.5x)\n", head_dim);
   std::printf("%-28s %9s %9s %11s %11s   spot-check max_abs (out lse dq dk dv)\n", "config",
               "v1 fwd", "v2 fwd", "v1 fwd+bwd", "v2 fwd+bwd");
   for (int t : {1024, 4096, 16384})
     for (bool causal : {false, true}) {
-      const Case c{16384 / t, t, t, 16, 16, 128, DType::kBF16, causal};
+      const int heads = 2048 / head_dim;
+      const Case c{16384 / t, t, t, heads, heads, head_dim, DType::kBF16, causal};
       const Problem p = make_problem(c, rng);
       Device d(p);
       const ForwardArgs fa = d.forward_args(p);
@@ -761,17 +763,27 @@ void tune_row(const Problem& p, Device& d, const ForwardArgs& fa, const Backward
 
 int main(int argc, char** argv) {
   bool quick = false, run_bench = false, run_tune = false, run_profile = false;
+  int head_dim = 128;
   uint64_t seed = std::random_device{}();
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--bench")) run_bench = true;
+    else if (!std::strcmp(argv[i], "--head-dim") && i + 1 < argc) head_dim = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--tune")) run_tune = true;
     else if (!std::strcmp(argv[i], "--profile")) run_profile = true;
     else if (!std::strcmp(argv[i], "--seed") && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     else {
-      std::fprintf(stderr, "usage: %s [--quick] [--bench] [--tune] [--profile] [--seed N]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--bench] [--tune] [--profile] [--head-dim H] [--seed N]\n", argv[0]);
       return 2;
     }
+  }
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256) {
+    std::fprintf(stderr, "--head-dim: the grid has 64, 128 and 256, got %d\n", head_dim);
+    return 2;
+  }
+  if (run_tune && head_dim != 128) {
+    std::fprintf(stderr, "--tune's alternative shapes are instantiated for head dim 128\n");
+    return 2;
   }
   cudaDeviceProp prop;
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -782,13 +794,13 @@ int main(int argc, char** argv) {
     profile_once(rng);
   } else if (run_tune) {
 #ifdef JAX_FLASH_TUNE
-    bench(rng, true);
+    bench(rng, true, head_dim);
 #else
     std::fprintf(stderr, "--tune needs a -DJAX_FLASH_TUNE build\n");
     return 2;
 #endif
   } else if (run_bench) {
-    bench(rng, false);
+    bench(rng, false, head_dim);
   } else {
     const auto start = std::chrono::steady_clock::now();
     for (const Case& c : quick ? quick_cases() : all_cases()) check_case(c, rng, true);
