@@ -6,7 +6,8 @@
 //   harness_v1v2 --quick    a few small cases (for compute-sanitizer)
 //   harness_v1v2 --bench    the benchmark grid's H=128 rows: TFLOP/s of v1 and v2, forward and
 //                           forward+backward (BENCHMARK.md counting), outputs spot-checked
-//   --head-dim H            --bench / --tune on the grid's rows of head dim H (64, 128, 256)
+//   --head-dim H            --bench / --tune / --profile on the grid's rows of head dim H
+//                           (64, 128, 256)
 //   harness_v1v2 --profile  one v2 forward + backward at H=128, T=4096 (for ncu)
 //   --seed N                replay a seed (printed at start)
 //
@@ -15,7 +16,8 @@
 //
 // Tuning build (TUNE=1 bash tests/gpu/build_v1v2.sh: -DJAX_FLASH_TUNE, with cuda/v1.cu only;
 // v2.cu and backward.cu are included here to instantiate other tile shapes) adds
-//   harness_v1v2 --tune     --bench, and on each row alternative v2 tile shapes (tune_row)
+//   harness_v1v2 --tune     --bench, and on each row alternative v2 tile shapes (tune_row;
+//                           backward shapes at head dim 128)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -688,9 +690,9 @@ void bench(std::mt19937_64& rng, bool variants, int head_dim) {
     }
 }
 
-// One v2 forward and backward of the benchmark grid's H=128, T=4096 row, for a profiler.
-void profile_once(std::mt19937_64& rng) {
-  const Case c{4, 4096, 4096, 16, 16, 128, DType::kBF16};
+// One v2 forward and backward of the benchmark grid's T=4096 row of head dim H, for a profiler.
+void profile_once(std::mt19937_64& rng, int head_dim) {
+  const Case c{4, 4096, 4096, 2048 / head_dim, 2048 / head_dim, head_dim, DType::kBF16};
   const Problem p = make_problem(c, rng);
   Device d(p);
   const ForwardArgs fa = d.forward_args(p);
@@ -710,17 +712,33 @@ void tune_row(const Problem& p, Device& d, const ForwardArgs& fa, const Backward
   using F = cudaError_t (*)(const ForwardArgs&, cudaStream_t);
   using Bw = cudaError_t (*)(const BackwardArgs&, const BackwardWorkspace&, bool, cudaStream_t);
   using BF = __nv_bfloat16;
-  const std::vector<std::pair<const char*, F>> forwards = {
-      {"fwd M128 N64 W4 (default)", launch_v2_forward_typed<BF, 128, V2Shape<128, 64, 4>>},
-      {"fwd M128 N32 W4", launch_v2_forward_typed<BF, 128, V2Shape<128, 32, 4>>},
-      {"fwd M128 N128 W8", launch_v2_forward_typed<BF, 128, V2Shape<128, 128, 8>>},
-      {"fwd M64 N64 W4", launch_v2_forward_typed<BF, 128, V2Shape<64, 64, 4>>},
-  };
-  const std::vector<std::pair<const char*, Bw>> backwards = {
-      {"bwd N128 stages2 (default)", launch_backward_typed<BF, 128, BwdShape<128, 2>>},
-      {"bwd N128 stages1", launch_backward_typed<BF, 128, BwdShape<128, 1>>},
-      {"bwd N64 stages2", launch_backward_typed<BF, 128, BwdShape<64, 2>>},
-  };
+  // Forward shapes per head dim: M rows, N keys per step, W warps.
+  std::vector<std::pair<const char*, F>> forwards;
+  std::vector<std::pair<const char*, Bw>> backwards;
+  switch (p.c.h) {
+    case 64:
+      forwards = {
+          {"fwd M128 N128 W4 (default)", launch_v2_forward_typed<BF, 64, V2Shape<128, 128, 4>>},
+          {"fwd M128 N64 W4", launch_v2_forward_typed<BF, 64, V2Shape<128, 64, 4>>},
+      };
+      break;
+    case 128:
+      forwards = {
+          {"fwd M128 N64 W4 (default)", launch_v2_forward_typed<BF, 128, V2Shape<128, 64, 4>>},
+          {"fwd M64 N64 W4", launch_v2_forward_typed<BF, 128, V2Shape<64, 64, 4>>},
+      };
+      backwards = {
+          {"bwd N128 stages2 (default)", launch_backward_typed<BF, 128, BwdShape<128, 2>>},
+          {"bwd N128 stages1", launch_backward_typed<BF, 128, BwdShape<128, 1>>},
+          {"bwd N64 stages2", launch_backward_typed<BF, 128, BwdShape<64, 2>>},
+      };
+      break;
+    default:
+      forwards = {
+          {"fwd M64 N64 W4 (default)", launch_v2_forward_typed<BF, 256, V2Shape<64, 64, 4>>},
+          {"fwd M128 N64 W8", launch_v2_forward_typed<BF, 256, V2Shape<128, 64, 8>>},
+      };
+  }
   const auto status = [&](const SpotErrors& e, const char* which) {
     static char buf[160];
     std::snprintf(buf, sizeof buf, "%s %s", which, spot_ok(e, p.c.dtype) ? "ok" : "FAIL");
@@ -781,17 +799,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--head-dim: the grid has 64, 128 and 256, got %d\n", head_dim);
     return 2;
   }
-  if (run_tune && head_dim != 128) {
-    std::fprintf(stderr, "--tune's alternative shapes are instantiated for head dim 128\n");
-    return 2;
-  }
   cudaDeviceProp prop;
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s (sm_%d%d, %d SMs)  seed %llu\n", prop.name, prop.major, prop.minor,
               prop.multiProcessorCount, static_cast<unsigned long long>(seed));
   std::mt19937_64 rng(seed);
   if (run_profile) {
-    profile_once(rng);
+    profile_once(rng, head_dim);
   } else if (run_tune) {
 #ifdef JAX_FLASH_TUNE
     bench(rng, true, head_dim);
