@@ -54,9 +54,12 @@ struct BwdShape {
   static constexpr int kBlockN = kBlockN_, kStages = kStages_;
 };
 
-// At 256 the shared memory holds 64 keys and one query-side buffer.
+// At 256 the shared memory holds 64 keys. Its two query-side buffers take 217 KB, which sm_90
+// offers a CTA and sm_80 (163 KB) does not: there it keeps one (launch_backward). On the H200
+// two are 4-14% faster (harness --tune, session 13).
 template <int kHeadDim>
-using BwdDefaultShape = BwdShape<kHeadDim <= 128 ? 128 : 64, kHeadDim <= 128 ? 2 : 1>;
+using BwdDefaultShape = BwdShape<kHeadDim <= 128 ? 128 : 64, 2>;
+using BwdOneStageShape256 = BwdShape<64, 1>;
 
 template <int kHeadDim, typename Shape>
 struct BwdLayout {
@@ -65,10 +68,15 @@ struct BwdLayout {
   static constexpr int kBlockN = Shape::kBlockN, kStages = Shape::kStages;
   // S and dP: 2 x 4 warps of 32 rows x kBlockN/4 keys.
   static constexpr int MT_S = 2, NT_S = kBlockN / 32;
-  // dV on warps 0-3, dK on warps 4-7: kBlockN/4 keys x the whole head dim each, so every
-  // fragment of dO / Q read from shared memory feeds 2 * MT_KV MMAs (a 4 x 2 split of both
-  // over all 8 warps reads 6 fragments per 16 MMAs where this reads 10 per 32).
-  static constexpr int MT_KV = kBlockN / 64, NT_KV = kHeadDim / 8;
+  // dV on warps 0-3, dK on warps 4-7, each 32 keys x kHeadDim / kKvColumnWarps columns, so
+  // every fragment of dO / Q read from shared memory feeds two MMAs and every fragment of P /
+  // dS NT_KV (a 4 x 2 split of both dV and dK over all 8 warps reads 6 fragments per 16 MMAs
+  // where this reads 10 per 32 at head dim 128). A 64-key block (head dim 256) splits the four
+  // warps of a product 2 x 2 (keys x columns) rather than 16 keys x the whole head dim, which
+  // reads 17 fragments per 32 MMAs.
+  static constexpr int kKvKeyWarps = kBlockN / 32, kKvColumnWarps = 4 / kKvKeyWarps;
+  static_assert(kKvKeyWarps * kKvColumnWarps == 4, "four warps per product");
+  static constexpr int MT_KV = 2, NT_KV = kHeadDim / 8 / kKvColumnWarps;
   using Dq = DqLayout<kHeadDim>;
   using KVTile = Tile<kBlockN, kHeadDim>;
   using QTile = Tile<kBlockM, kHeadDim>;
@@ -173,7 +181,8 @@ __global__ void __launch_bounds__(256, 1)
 
   // Warp tiles of the three products.
   const int s_r0 = (warp / 4) * 32, s_c0 = (warp % 4) * (L::kBlockN / 4);
-  const int kv_r0 = (warp % 4) * (L::kBlockN / 4);
+  const int kv_r0 = (warp % L::kKvKeyWarps) * 32;
+  const int kv_c0 = (warp % 4 / L::kKvKeyWarps) * (kHeadDim / L::kKvColumnWarps);
   const bool dk_warp = warp >= 4;  // this warp accumulates dK, else dV
   const int q_r0 = L::Dq::row0(warp), q_c0 = L::Dq::col0(warp);
 
@@ -204,7 +213,7 @@ __global__ void __launch_bounds__(256, 1)
     };
 
     if (jj > 0) __syncthreads();  // the previous key block's tiles are consumed
-    float kv_acc[MT_KV][NT_KV][4];  // dK or dV (dk_warp) of keys kv_r0 + [0, kBlockN / 4)
+    float kv_acc[MT_KV][NT_KV][4];  // dK or dV (dk_warp) of keys kv_r0 + [0, 32), from kv_c0
     zero(kv_acc);
     if (total > 0) {
       sK.template load_async<L::kThreads>(k.row(c0), k.stride, band.kv_len - c0, chunks, tid);
@@ -299,7 +308,7 @@ __global__ void __launch_bounds__(256, 1)
       const typename L::QTile sB{dk_warp ? sQ.base : sdO.base};
       warp_gemm<T, MT_KV, NT_KV, L::kBlockM / 16>(
           kv_acc, [&](uint32_t(&a)[MT_KV][4], int k0) { load_a_transposed(a, sA, kv_r0, k0, lane); },
-          [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_kmajor(bf, sB, k0, n0, lane); });
+          [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_kmajor(bf, sB, k0, kv_c0 + n0, lane); });
 
       float dq[MT_Q][NT_Q][4];
       zero(dq);
@@ -340,7 +349,7 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) kv_acc[m][n][e] *= scale;
     __syncthreads();  // every warp is done reading K and V
-    store_c<T>(dk_warp ? sK : sV, kv_acc, kv_r0, 0, lane);
+    store_c<T>(dk_warp ? sK : sV, kv_acc, kv_r0, kv_c0, lane);
     __syncthreads();
     sK.template store_rows<L::kThreads, L::kBlockN>(dk.row(c0), dk.stride, 0, kv_len - c0, chunks, tid);
     sV.template store_rows<L::kThreads, L::kBlockN>(dv.row(c0), dv.stride, 0, kv_len - c0, chunks, tid);
@@ -396,7 +405,17 @@ cudaError_t launch_backward(const BackwardArgs& args, const BackwardWorkspace& w
   return tile::dispatch_dtype(args.fwd.dtype, [&](auto element) {
     using T = decltype(element);
     return dispatch_head_dim_capacity(s.head_dim, [&](auto cap) {
-      return launch_backward_typed<T, decltype(cap)::value>(args, ws, sequential, stream);
+      constexpr int kCapacity = decltype(cap)::value;
+      if constexpr (kCapacity == 256) {
+        int device = 0, optin = 0;
+        cudaError_t err = cudaGetDevice(&device);
+        if (err == cudaSuccess)
+          err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+        if (err != cudaSuccess) return err;
+        if (optin < BwdLayout<256, BwdDefaultShape<256>>::kSmemBytes)
+          return launch_backward_typed<T, 256, BwdOneStageShape256>(args, ws, sequential, stream);
+      }
+      return launch_backward_typed<T, kCapacity>(args, ws, sequential, stream);
     });
   });
 }

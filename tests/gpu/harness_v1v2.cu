@@ -16,8 +16,7 @@
 //
 // Tuning build (TUNE=1 bash tests/gpu/build_v1v2.sh: -DJAX_FLASH_TUNE, with cuda/v1.cu only;
 // v2.cu and backward.cu are included here to instantiate other tile shapes) adds
-//   harness_v1v2 --tune     --bench, and on each row alternative v2 tile shapes (tune_row;
-//                           backward shapes at head dim 128)
+//   harness_v1v2 --tune     --bench, and on each row alternative v2 tile shapes (tune_row)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -721,6 +720,10 @@ void tune_row(const Problem& p, Device& d, const ForwardArgs& fa, const Backward
           {"fwd M128 N128 W4 (default)", launch_v2_forward_typed<BF, 64, V2Shape<128, 128, 4>>},
           {"fwd M128 N64 W4", launch_v2_forward_typed<BF, 64, V2Shape<128, 64, 4>>},
       };
+      backwards = {
+          {"bwd N128 stages2 (default)", launch_backward_typed<BF, 64, BwdShape<128, 2>>},
+          {"bwd N64 stages2", launch_backward_typed<BF, 64, BwdShape<64, 2>>},
+      };
       break;
     case 128:
       forwards = {
@@ -737,6 +740,10 @@ void tune_row(const Problem& p, Device& d, const ForwardArgs& fa, const Backward
       forwards = {
           {"fwd M64 N64 W4 (default)", launch_v2_forward_typed<BF, 256, V2Shape<64, 64, 4>>},
           {"fwd M128 N64 W8", launch_v2_forward_typed<BF, 256, V2Shape<128, 64, 8>>},
+      };
+      backwards = {
+          {"bwd N64 stages2 (default)", launch_backward_typed<BF, 256, BwdShape<64, 2>>},
+          {"bwd N64 stages1 (sm_80's)", launch_backward_typed<BF, 256, BwdShape<64, 1>>},
       };
   }
   const auto status = [&](const SpotErrors& e, const char* which) {
