@@ -4,7 +4,11 @@ come from one run on one card. BTNH inputs (the transposed views are what SDPA's
 reads without a copy). Prints the kernels that ran, from the profiler.
 
   python3 tests/gpu/bench_torch_flash.py
+  python3 tests/gpu/bench_torch_flash.py --once H   one forward at the grid's T=4096 row of head
+                                                   dim H, nothing printed (for ncu)
 """
+import sys
+
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -29,6 +33,15 @@ def kernels_of(fn):
     fn()
     torch.cuda.synchronize()
   return sorted({e.name for e in prof.events() if "flash" in e.name.lower()})
+
+
+def forward_once(h):
+  n = 2048 // h
+  q, k, v = (torch.randn(4, 4096, n, h, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+             for _ in range(3))
+  with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    sdpa(q, k, v)
+  torch.cuda.synchronize()
 
 
 def main():
@@ -71,4 +84,9 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  if len(sys.argv) == 3 and sys.argv[1] == "--once":
+    forward_once(int(sys.argv[2]))
+  elif len(sys.argv) == 1:
+    main()
+  else:
+    sys.exit(f"usage: {sys.argv[0]} [--once HEAD_DIM]")
