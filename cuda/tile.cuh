@@ -522,10 +522,9 @@ struct RowSoftmax {
       for (int n = 0; n < NT; ++n)
         tile_max = fmaxf(tile_max, fmaxf(s[m][n][2 * half], s[m][n][2 * half + 1]));
       const float tile_arg = quad_max(tile_max) * mul;
+      float new_max = fmaxf(max[r], tile_arg);
       // NaN (nothing kept yet, nor in this tile) compares false: the max stays -inf.
-      const float new_max = !kConditionalRescale                       ? fmaxf(max[r], tile_arg)
-                            : tile_arg - max[r] > kRescaleThreshold ? tile_arg
-                                                                    : max[r];
+      if (kConditionalRescale) new_max = tile_arg - max[r] > kRescaleThreshold ? tile_arg : max[r];
       // A row with no kept key so far exponentiates against 0: every term is exp2(-inf) = 0.
       const float base = new_max == -INFINITY ? 0.f : new_max;
       rescale[r] = fast_exp2(max[r] - base);
