@@ -124,14 +124,15 @@ __global__ void __launch_bounds__(V2Layout<kHeadDim, Shape>::kThreads,
     warp_gemm<T, MT, NT_S, kHeadDim / 16>(
         s, [&](uint32_t(&a)[MT][4], int k0) { load_a(a, sQ, warp_row0, k0, lane); },
         [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_nmajor(bf, sK, k0, n0, lane); });
-    const bool check = !scores.all_kept(rows_begin, rows_end, col0, col0 + L::kBlockN);
-    const float mul = scores.apply<kGeneral>(s, rows_begin, col0, check, lane);
-    float rescale[2 * MT];
-    if (softmax.update(s, mul, rescale)) scale_rows(o, rescale);
+    // K of tile j + 1 loads during the softmax and P V of tile j.
     cp_async_wait<0>();
     __syncthreads();  // V of tile j landed; every warp is done with K of tile j
     if (j + 1 < j_end) load(k, sK, j + 1);
     cp_async_commit();
+    const bool check = !scores.all_kept(rows_begin, rows_end, col0, col0 + L::kBlockN);
+    const float mul = scores.apply<kGeneral>(s, rows_begin, col0, check, lane);
+    float rescale[2 * MT];
+    if (softmax.update(s, mul, rescale)) scale_rows(o, rescale);
 
 #pragma unroll
     for (int kk = 0; kk < L::kBlockN / 16; ++kk) {
