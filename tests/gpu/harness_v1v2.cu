@@ -701,6 +701,38 @@ void profile_once(std::mt19937_64& rng, int head_dim) {
 }
 
 #ifdef JAX_FLASH_TUNE
+using ForwardLaunch = cudaError_t (*)(const jax_flash::ForwardArgs&, cudaStream_t);
+using BackwardLaunch = cudaError_t (*)(const jax_flash::BackwardArgs&,
+                                       const jax_flash::BackwardWorkspace&, bool, cudaStream_t);
+
+template <typename Shape>
+std::string forward_shape_name() {
+  return "M" + std::to_string(Shape::kBlockM) + " N" + std::to_string(Shape::kBlockN) + " W" +
+         std::to_string(Shape::kWarps);
+}
+template <typename Shape>
+std::string backward_shape_name() {
+  return "N" + std::to_string(Shape::kBlockN) + " stages" + std::to_string(Shape::kStages);
+}
+
+// The library's shape for head dim H first, then the alternatives (bf16).
+template <int H, typename... Alternatives>
+std::vector<std::pair<std::string, ForwardLaunch>> forward_variants() {
+  using Default = jax_flash::V2DefaultShape<H>;
+  return {{"fwd " + forward_shape_name<Default>() + " (default)",
+           jax_flash::launch_v2_forward_typed<__nv_bfloat16, H, Default>},
+          {"fwd " + forward_shape_name<Alternatives>(),
+           jax_flash::launch_v2_forward_typed<__nv_bfloat16, H, Alternatives>}...};
+}
+template <int H, typename... Alternatives>
+std::vector<std::pair<std::string, BackwardLaunch>> backward_variants() {
+  using Default = jax_flash::BwdDefaultShape<H>;
+  return {{"bwd " + backward_shape_name<Default>() + " (default)",
+           jax_flash::launch_backward_typed<__nv_bfloat16, H, Default>},
+          {"bwd " + backward_shape_name<Alternatives>(),
+           jax_flash::launch_backward_typed<__nv_bfloat16, H, Alternatives>}...};
+}
+
 // Times alternative v2 tile shapes on one grid row.
 // Forward variants: TFLOP/s of the forward alone. Backward variants: the backward alone, and
 // forward (default) + backward (variant), BENCHMARK.md counting. Every variant's outputs are
@@ -708,43 +740,20 @@ void profile_once(std::mt19937_64& rng, int head_dim) {
 void tune_row(const Problem& p, Device& d, const ForwardArgs& fa, const BackwardArgs& ba,
               double flops, std::mt19937_64& rng) {
   using namespace jax_flash;
-  using F = cudaError_t (*)(const ForwardArgs&, cudaStream_t);
-  using Bw = cudaError_t (*)(const BackwardArgs&, const BackwardWorkspace&, bool, cudaStream_t);
-  using BF = __nv_bfloat16;
-  // Forward shapes per head dim: M rows, N keys per step, W warps.
-  std::vector<std::pair<const char*, F>> forwards;
-  std::vector<std::pair<const char*, Bw>> backwards;
+  std::vector<std::pair<std::string, ForwardLaunch>> forwards;
+  std::vector<std::pair<std::string, BackwardLaunch>> backwards;
   switch (p.c.h) {
     case 64:
-      forwards = {
-          {"fwd M128 N128 W4 (default)", launch_v2_forward_typed<BF, 64, V2Shape<128, 128, 4>>},
-          {"fwd M128 N64 W4", launch_v2_forward_typed<BF, 64, V2Shape<128, 64, 4>>},
-      };
-      backwards = {
-          {"bwd N128 stages2 (default)", launch_backward_typed<BF, 64, BwdShape<128, 2>>},
-          {"bwd N64 stages2", launch_backward_typed<BF, 64, BwdShape<64, 2>>},
-      };
+      forwards = forward_variants<64, V2Shape<128, 64, 4>>();
+      backwards = backward_variants<64, BwdShape<64, 2>>();
       break;
     case 128:
-      forwards = {
-          {"fwd M128 N64 W4 (default)", launch_v2_forward_typed<BF, 128, V2Shape<128, 64, 4>>},
-          {"fwd M64 N64 W4", launch_v2_forward_typed<BF, 128, V2Shape<64, 64, 4>>},
-      };
-      backwards = {
-          {"bwd N128 stages2 (default)", launch_backward_typed<BF, 128, BwdShape<128, 2>>},
-          {"bwd N128 stages1", launch_backward_typed<BF, 128, BwdShape<128, 1>>},
-          {"bwd N64 stages2", launch_backward_typed<BF, 128, BwdShape<64, 2>>},
-      };
+      forwards = forward_variants<128, V2Shape<64, 64, 4>>();
+      backwards = backward_variants<128, BwdShape<128, 1>, BwdShape<64, 2>>();
       break;
-    default:
-      forwards = {
-          {"fwd M64 N64 W4 (default)", launch_v2_forward_typed<BF, 256, V2Shape<64, 64, 4>>},
-          {"fwd M128 N64 W8", launch_v2_forward_typed<BF, 256, V2Shape<128, 64, 8>>},
-      };
-      backwards = {
-          {"bwd N64 stages2 (default)", launch_backward_typed<BF, 256, BwdShape<64, 2>>},
-          {"bwd N64 stages1 (sm_80's)", launch_backward_typed<BF, 256, BwdShape<64, 1>>},
-      };
+    default:  // stages1: what sm_80's shared memory allows (launch_backward)
+      forwards = forward_variants<256, V2Shape<128, 64, 8>>();
+      backwards = backward_variants<256, BwdShape<64, 1>>();
   }
   const auto status = [&](const SpotErrors& e, const char* which) {
     static char buf[160];
@@ -753,18 +762,18 @@ void tune_row(const Problem& p, Device& d, const ForwardArgs& fa, const Backward
     return buf;
   };
   for (const auto& [name, launch_ref] : forwards) {
-    const F launch = launch_ref;
+    const ForwardLaunch launch = launch_ref;
     const double ms = median_ms([&] { CUDA_CHECK(launch(fa, 0)); }, 3, 20);
     d.out.poison(), d.lse.poison();
     CUDA_CHECK(launch(fa, 0));
     CUDA_CHECK(cudaDeviceSynchronize());
     const SpotErrors e = spot_check(p, d, rng, true, false);
-    std::printf("    %-34s fwd %7.1f TFLOP/s %8.3f ms  out %.1e lse %.1e %s\n", name,
+    std::printf("    %-34s fwd %7.1f TFLOP/s %8.3f ms  out %.1e lse %.1e %s\n", name.c_str(),
                 flops / ms * 1e-9, ms, e.out.max_abs, e.lse.max_abs, status(e, "check"));
   }
   CUDA_CHECK(launch_v2_forward(fa, 0));  // the default's out / lse feed the backward variants
   for (const auto& [name, launch_ref] : backwards) {
-    const Bw launch = launch_ref;
+    const BackwardLaunch launch = launch_ref;
     const double bwd_ms = median_ms([&] { CUDA_CHECK(launch(ba, d.workspace(), false, 0)); }, 2, 10);
     const double both_ms = median_ms(
         [&] {
@@ -777,7 +786,7 @@ void tune_row(const Problem& p, Device& d, const ForwardArgs& fa, const Backward
     CUDA_CHECK(cudaDeviceSynchronize());
     const SpotErrors e = spot_check(p, d, rng, false, true);
     std::printf("    %-34s bwd %7.1f TFLOP/s %8.3f ms  fwd+bwd %7.1f  dq %.1e dk %.1e dv %.1e %s\n",
-                name, 2.5 * flops / bwd_ms * 1e-9, bwd_ms, 3.5 * flops / both_ms * 1e-9,
+                name.c_str(), 2.5 * flops / bwd_ms * 1e-9, bwd_ms, 3.5 * flops / both_ms * 1e-9,
                 e.dq.max_abs, e.dk.max_abs, e.dv.max_abs, status(e, "check"));
   }
   std::fflush(stdout);
