@@ -107,8 +107,8 @@ __global__ void __launch_bounds__(V2Layout<kHeadDim, Shape>::kThreads,
   const int rows_begin = row0 + warp_row0, rows_end = rows_begin + L::kWarpRows;
   float o[MT][NT_O][4];
   zero(o);
-  // Conditional rescaling (harness A/B, session 13): +0.5..+3.1% at head dim 128, +0.6..+2.0%
-  // at 256, -2.7..+0.4% at 64, where O is half as large (v3 measured the same pattern).
+  // Conditional rescaling (harness A/B, session 13): +0.5..+3.1% at head dim 128 (two runs),
+  // +0.6..+2.0% at 256, -2.7..+0.4% at 64, where O is half as large (v3 measured the same).
   RowSoftmax<MT, (kHeadDim > 64)> softmax;
   softmax.init();
 
