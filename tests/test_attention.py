@@ -103,7 +103,11 @@ def _require(schedule: str, case: Case, deterministic: bool = False):
 def test_forward_matches_float64(schedule, dtype, case, rng):
   case = dataclasses.replace(case, dtype=dtype)
   _require(schedule, case)
-  x = make_inputs(case, rng)
+  _check_forward(schedule, case, make_inputs(case, rng))
+
+
+def _check_forward(schedule: str, case: Case, x):
+  """Runs the forward of `x` under jit and holds out and lse to the float64 reference."""
   statics = x.statics(case)
   out, lse = jax.jit(lambda q, k, v, **arrays: jax_flash.flash_attention(
       q, k, v, return_residual=True, schedule=schedule, **arrays, **statics))(
@@ -111,11 +115,12 @@ def test_forward_matches_float64(schedule, dtype, case, rng):
   want_out, want_lse = reference_forward(case, x)
   assert out.shape == x.q.shape and out.dtype == x.q.dtype
   err = np.max(np.abs(as_f64(out) - want_out), initial=0.0)
-  assert err <= OUT_ATOL[dtype], f"{case}: max abs error {err:.3g} > {OUT_ATOL[dtype]}"
+  tol = OUT_ATOL[case.dtype]
+  assert err <= tol, f"{case}: max abs error {err:.3g} > {tol}"
   lse = as_f64(jnp.transpose(lse, (0, 2, 1)))
   finite = np.isfinite(want_lse)
   np.testing.assert_array_equal(np.isfinite(lse), finite, err_msg="fully-masked rows differ")
-  lse_tol = 4 * OUT_ATOL[dtype] * max(1.0, np.max(np.abs(want_lse[finite]), initial=1.0))
+  lse_tol = 4 * tol * max(1.0, np.max(np.abs(want_lse[finite]), initial=1.0))
   assert np.max(np.abs(lse[finite] - want_lse[finite]), initial=0.0) <= lse_tol
 
 
@@ -132,14 +137,7 @@ def test_row_maxima_that_climb_along_the_keys_match_float64(schedule, dtype, cas
   x = make_inputs(case, rng)
   growth = jnp.linspace(1.0, 12.0, case.s)[None, :, None, None]
   x = dataclasses.replace(x, k=(x.k.astype(jnp.float32) * growth).astype(dtype))
-  out, lse = jax.jit(lambda q, k, v: jax_flash.flash_attention(
-      q, k, v, is_causal=case.is_causal, return_residual=True, schedule=schedule))(x.q, x.k, x.v)
-  want_out, want_lse = reference_forward(case, x)
-  err = np.max(np.abs(as_f64(out) - want_out))
-  assert err <= OUT_ATOL[dtype], f"{case}: max abs error {err:.3g} > {OUT_ATOL[dtype]}"
-  lse = as_f64(jnp.transpose(lse, (0, 2, 1)))
-  lse_tol = 4 * OUT_ATOL[dtype] * max(1.0, np.max(np.abs(want_lse)))
-  assert np.max(np.abs(lse - want_lse)) <= lse_tol
+  _check_forward(schedule, case, x)
 
 
 @pytest.mark.parametrize("kw", [dict(is_causal=True), dict(window_left=5, window_right=3),

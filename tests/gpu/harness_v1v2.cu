@@ -640,6 +640,12 @@ void tune_row(const Problem& p, Device& d, const ForwardArgs& fa, const Backward
               double flops, std::mt19937_64& rng);
 #endif
 
+// A row of BENCHMARK.md's grid: bf16, B * T = 16384, N * H = 2048.
+Case grid_case(int t, bool causal, int head_dim) {
+  const int heads = 2048 / head_dim;
+  return Case{16384 / t, t, t, heads, heads, head_dim, DType::kBF16, causal};
+}
+
 // With `variants` (tuning build), each row also times the alternative v2 schedules.
 void bench(std::mt19937_64& rng, bool variants, int head_dim) {
   std::printf("\nbench: bf16, B*T = 16384, N*H = 2048, H = %d (TFLOP/s; fwd = 4BNTSH, halved "
@@ -648,8 +654,7 @@ void bench(std::mt19937_64& rng, bool variants, int head_dim) {
               "v1 fwd", "v2 fwd", "v1 fwd+bwd", "v2 fwd+bwd");
   for (int t : {1024, 4096, 16384})
     for (bool causal : {false, true}) {
-      const int heads = 2048 / head_dim;
-      const Case c{16384 / t, t, t, heads, heads, head_dim, DType::kBF16, causal};
+      const Case c = grid_case(t, causal, head_dim);
       const Problem p = make_problem(c, rng);
       Device d(p);
       const ForwardArgs fa = d.forward_args(p);
@@ -691,7 +696,7 @@ void bench(std::mt19937_64& rng, bool variants, int head_dim) {
 
 // One v2 forward and backward of the benchmark grid's T=4096 row of head dim H, for a profiler.
 void profile_once(std::mt19937_64& rng, int head_dim) {
-  const Case c{4, 4096, 4096, 2048 / head_dim, 2048 / head_dim, head_dim, DType::kBF16};
+  const Case c = grid_case(4096, false, head_dim);
   const Problem p = make_problem(c, rng);
   Device d(p);
   const ForwardArgs fa = d.forward_args(p);
