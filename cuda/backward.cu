@@ -13,6 +13,7 @@
 // v2 runs the key blocks of a head in parallel and adds dQ with fp32 atomics; v1 runs one CTA
 // per (batch, kv head) over all key blocks in turn (FlashAttention-1's order), which owns its
 // rows of dq_accum and adds without atomics.
+#include "device_attribute.h"
 #include "tile.cuh"
 #include "v1v2.h"
 
@@ -407,10 +408,9 @@ cudaError_t launch_backward(const BackwardArgs& args, const BackwardWorkspace& w
     return dispatch_head_dim_capacity(s.head_dim, [&](auto cap) {
       constexpr int kCapacity = decltype(cap)::value;
       if constexpr (kCapacity == 256) {
-        int device = 0, optin = 0;
-        cudaError_t err = cudaGetDevice(&device);
-        if (err == cudaSuccess)
-          err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+        int optin = 0;
+        const cudaError_t err =
+            current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, &optin);
         if (err != cudaSuccess) return err;
         if (optin < BwdLayout<256, BwdDefaultShape<256>>::kSmemBytes)
           return launch_backward_typed<T, 256, BwdOneStageShape256>(args, ws, sequential, stream);

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "device_attribute.h"
 #include "tile.cuh"
 
 namespace jax_flash {
@@ -770,10 +771,8 @@ cudaError_t DecodeAutoSplits(const DecodeArgs& a, int64_t max_keys, int max_spli
                              int* splits) {
   return visit_variant(a, [&](auto v) {
     using V = decltype(v);
-    int device = 0, sms = 0, blocks_per_sm = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess)
-      err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    int sms = 0, blocks_per_sm = 0;
+    cudaError_t err = current_device_attribute(cudaDevAttrMultiProcessorCount, &sms);
     if (err == cudaSuccess) err = V::prepare();
     if (err == cudaSuccess)
       err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, V::split_kv, kThreads,
