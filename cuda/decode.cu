@@ -29,8 +29,6 @@ constexpr int kBlockKeys = 64;  // keys per pipeline stage
 using tile::cp_async_commit;
 using tile::cp_async_wait;
 using tile::fast_exp2;
-using tile::kLn2;
-using tile::kLog2e;
 using tile::quad_max;
 using tile::quad_sum;
 template <typename Elem>

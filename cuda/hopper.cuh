@@ -20,14 +20,12 @@
 #include <cute/arch/mma_sm90_gmma_ext.hpp>  // the n = 80 shape of head dim 256
 
 #include "attention_args.h"
+#include "softmax_constants.h"
 
 namespace jax_flash {
 namespace hopper {
 
 namespace gmma = cute::SM90::GMMA;
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // ------------------------------------------------------------------------------------------
 // PTX wrappers: mbarrier, TMA, wgmma bookkeeping, named barriers, setmaxnreg

@@ -18,11 +18,10 @@
 #include <cstdint>
 
 #include "attention_args.h"
+#include "softmax_constants.h"
 
 namespace jax_flash::tile {
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 // "Unbounded" window side; lengths stay below 2^29 so sums of two never overflow an int.
 constexpr int kUnbounded = 1 << 29;
 
@@ -486,12 +485,6 @@ struct Scores {
 // ---------------------------------------------------------------------------------------------
 // Online softmax over the rows a thread holds in C fragments
 // ---------------------------------------------------------------------------------------------
-
-// With conditional rescaling a row's running max stays stale until a tile's exceeds it by more
-// than this (log2 units), so that once the maxima settle most tiles rescale nothing
-// (FlashAttention-4's idea; v3 uses the same bound). Probabilities then reach at most 2^8, far
-// inside the range of bf16 / f16 and of the fp32 sums.
-constexpr float kRescaleThreshold = 8.f;
 
 // A thread holds rows 2m + half (half 0: lane/4, half 1: lane/4 + 8 of m-tile m). `sum` is this
 // thread's partial: the quad's four partials are added once, at the end.

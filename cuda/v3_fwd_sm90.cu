@@ -59,9 +59,6 @@ namespace jax_flash {
 namespace {
 
 using namespace hopper;
-// Conditional rescaling keeps a stale row max while the true one exceeds it by at most this
-// much (log2 units), so P <= 2^8.
-constexpr float kRescaleThreshold = 8.f;
 
 // ------------------------------------------------------------------------------------------
 // Tile configuration
