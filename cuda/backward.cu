@@ -7,9 +7,10 @@
 //      dV += P^T dO (warps 0-3), dK += dS^T Q (warps 4-7), and dQ (= dS K) is added into the
 //      fp32 dq_accum.
 //   3. convert: dq = scale * dq_accum, rounded to the element type.
-// dq_accum keeps each 64-row query block in the order of the dQ MMA fragments (DqLayout): a
-// warp's atomic add of one fragment element covers 32 consecutive floats, one instruction per
-// element with an immediate offset, where a row-major layout scatters it over 8 rows.
+// dq_accum keeps each query block (64 or 128 rows) in the order of the dQ MMA fragments
+// (DqLayout): a warp's atomic add of one fragment element covers 32 consecutive floats, one
+// instruction per element with an immediate offset, where a row-major layout scatters it over
+// 8 rows.
 // v2 runs the key blocks of a head in parallel and adds dQ with fp32 atomics; v1 runs one CTA
 // per (batch, kv head) over all key blocks in turn (FlashAttention-1's order), which owns its
 // rows of dq_accum and adds without atomics.
@@ -22,17 +23,19 @@ namespace {
 
 using namespace tile;
 
-// dQ of a 64-row query block: 2 x 4 warps of 32 rows x kHeadDim/4 columns. Element
-// i = (m * NT + n) * 4 + e of a thread's fragments lives at dq_accum offset
-// (warp * kPerThread + i) * 32 + lane of the block.
-template <int kHeadDim>
+// dQ of a kRows-row query block: kRows / 32 x kColumnWarps warps of 32 rows x
+// kHeadDim / kColumnWarps columns. Element i = (m * NT + n) * 4 + e of a thread's fragments
+// lives at dq_accum offset (warp * kPerThread + i) * 32 + lane of the block.
+template <int kHeadDim, int kRows_>
 struct DqLayout {
-  static constexpr int kRows = kBackwardQueryBlock, kThreads = 256;
-  static constexpr int MT = 2, NT = kHeadDim / 32;
+  static constexpr int kRows = kRows_, kThreads = 256;
+  static constexpr int kColumnWarps = 8 / (kRows / 32);
+  static constexpr int MT = 2, NT = kHeadDim / 8 / kColumnWarps;
   static constexpr int kPerThread = MT * NT * 4;
   static constexpr int kBlockFloats = kRows * kHeadDim;
-  __device__ static int row0(int warp) { return (warp / 4) * 32; }
-  __device__ static int col0(int warp) { return (warp % 4) * (kHeadDim / 4); }
+  static_assert(kBackwardQueryBlockMultiple % kRows == 0, "dq_accum's rows hold whole blocks");
+  __device__ static int row0(int warp) { return (warp / kColumnWarps) * 32; }
+  __device__ static int col0(int warp) { return (warp % kColumnWarps) * (kHeadDim / kColumnWarps); }
   __device__ static int row(int warp, int i, int lane) {
     return row0(warp) + c_row(i / (4 * NT), i % 4, lane);
   }
@@ -48,27 +51,32 @@ struct DqLayout {
   }
 };
 
-// Tile shape of a dK / dV CTA: keys per CTA, query-side buffers (two overlap the next query
-// block's loads with this one's products).
-template <int kBlockN_, int kStages_>
+// Tile shape of a dK / dV CTA: query rows per iteration, keys per CTA, query-side buffers (two
+// overlap the next query block's loads with this one's products).
+template <int kBlockM_, int kBlockN_, int kStages_>
 struct BwdShape {
-  static constexpr int kBlockN = kBlockN_, kStages = kStages_;
+  static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
 };
 
-// At 256 the shared memory holds 64 keys. Its two query-side buffers take 217 KB, which sm_90
-// offers a CTA and sm_80 (163 KB) does not: there it keeps one (launch_backward). On the H200
-// two are 4-14% faster (harness --tune, session 13).
-template <int kHeadDim>
-using BwdDefaultShape = BwdShape<kHeadDim <= 128 ? 128 : 64, 2>;
-using BwdOneStageShape256 = BwdShape<64, 1>;
+// Head dim 64 takes 128 query rows per iteration, as FlashAttention-2 does: +4.6..+8.0% over
+// 64 rows on the H200 (harness --tune, session 14); the general variant (bias, mask, softcap)
+// keeps 64, where 128 spills 608 bytes. At 128, 128 x 64 loses 16-20% to 64 x 128. At 256 the
+// shared memory holds 64 keys. Its two query-side buffers take 217 KB, which sm_90 offers a CTA
+// and sm_80 (163 KB) does not: there it keeps one (launch_backward). On the H200 two are 4-14%
+// faster (harness --tune, session 13).
+template <int kHeadDim, bool kGeneral>
+using BwdDefaultShape =
+    BwdShape<kHeadDim <= 64 && !kGeneral ? 128 : 64, kHeadDim <= 128 ? 128 : 64, 2>;
+using BwdOneStageShape256 = BwdShape<64, 64, 1>;
 
 template <int kHeadDim, typename Shape>
 struct BwdLayout {
   static constexpr int kThreads = 256;                 // 8 warps
-  static constexpr int kBlockM = kBackwardQueryBlock;  // query rows per iteration
-  static constexpr int kBlockN = Shape::kBlockN, kStages = Shape::kStages;
-  // S and dP: 2 x 4 warps of 32 rows x kBlockN/4 keys.
-  static constexpr int MT_S = 2, NT_S = kBlockN / 32;
+  static constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kStages = Shape::kStages;
+  // S and dP: kBlockM / 32 x kSKeyWarps warps of 32 rows x kBlockN / kSKeyWarps keys.
+  static constexpr int kSKeyWarps = 8 / (kBlockM / 32);
+  static constexpr int MT_S = 2, NT_S = kBlockN / 8 / kSKeyWarps;
+  static_assert(2 * kBlockM <= kThreads, "one thread per lse / D element of a query block");
   // dV on warps 0-3, dK on warps 4-7, each 32 keys x kHeadDim / kKvColumnWarps columns, so
   // every fragment of dO / Q read from shared memory feeds two MMAs and every fragment of P /
   // dS NT_KV (a 4 x 2 split of both dV and dK over all 8 warps reads 6 fragments per 16 MMAs
@@ -78,7 +86,7 @@ struct BwdLayout {
   static constexpr int kKvKeyWarps = kBlockN / 32, kKvColumnWarps = 4 / kKvKeyWarps;
   static_assert(kKvKeyWarps * kKvColumnWarps == 4, "four warps per product");
   static constexpr int MT_KV = 2, NT_KV = kHeadDim / 8 / kKvColumnWarps;
-  using Dq = DqLayout<kHeadDim>;
+  using Dq = DqLayout<kHeadDim, kBlockM>;
   using KVTile = Tile<kBlockN, kHeadDim>;
   using QTile = Tile<kBlockM, kHeadDim>;
   using PTile = Tile<kBlockM, kBlockN>;
@@ -122,10 +130,9 @@ __global__ void __launch_bounds__(256) preprocess_kernel(const __grid_constant__
 // dq = scale * dq_accum for one 64-row query block of one (b, head): each thread reads its
 // fragment elements (coalesced), the block is reassembled in shared memory and written out in
 // 16-byte rows.
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, typename Dq>
 __global__ void __launch_bounds__(256) convert_dq_kernel(const __grid_constant__ BackwardArgs args,
                                                          const BackwardWorkspace ws) {
-  using Dq = DqLayout<kHeadDim>;
   using BlockTile = Tile<Dq::kRows, kHeadDim>;
   __shared__ __align__(16) unsigned char smem[BlockTile::kBytes];
   const AttentionShape& shape = args.fwd.shape;
@@ -181,7 +188,8 @@ __global__ void __launch_bounds__(256, 1)
   const auto stage_dsum = [&](int stage) { return row_stats + (stage * 2 + 1) * L::kBlockM; };
 
   // Warp tiles of the three products.
-  const int s_r0 = (warp / 4) * 32, s_c0 = (warp % 4) * (L::kBlockN / 4);
+  const int s_r0 = (warp / L::kSKeyWarps) * 32;
+  const int s_c0 = (warp % L::kSKeyWarps) * (L::kBlockN / L::kSKeyWarps);
   const int kv_r0 = (warp % L::kKvKeyWarps) * 32;
   const int kv_c0 = (warp % 4 / L::kKvKeyWarps) * (kHeadDim / L::kKvColumnWarps);
   const bool dk_warp = warp >= 4;  // this warp accumulates dK, else dV
@@ -243,7 +251,7 @@ __global__ void __launch_bounds__(256, 1)
       // P = exp(score - lse) in place.
       const Scores scores(fwd, b, head, band);
       const int t0 = r0 + s_r0, key0 = c0 + s_c0;
-      const bool check = !scores.all_kept(t0, t0 + 32, key0, key0 + L::kBlockN / 4);
+      const bool check = !scores.all_kept(t0, t0 + 32, key0, key0 + L::kBlockN / L::kSKeyWarps);
       // The softcap's chain factor 1 - tanh^2 of each score (general variant only).
       float chain[kGeneral ? MT_S : 1][kGeneral ? NT_S : 1][4];
       // A plain call masks by setting dropped scores to -inf (only on tiles the band cuts), so
@@ -357,8 +365,8 @@ __global__ void __launch_bounds__(256, 1)
   }
 }
 
-template <typename T, int kHeadDim, typename Shape = BwdDefaultShape<kHeadDim>>
-cudaError_t launch_backward_typed(const BackwardArgs& args, const BackwardWorkspace& ws,
+template <typename T, int kHeadDim, typename Shape, bool kGeneral>
+cudaError_t launch_backward_kernels(const BackwardArgs& args, const BackwardWorkspace& ws,
                                   bool sequential, cudaStream_t stream) {
   using L = BwdLayout<kHeadDim, Shape>;
   const AttentionShape& shape = args.fwd.shape;
@@ -380,8 +388,7 @@ cudaError_t launch_backward_typed(const BackwardArgs& args, const BackwardWorksp
   }
   const int64_t key_blocks = (shape.kv_len + L::kBlockN - 1) / L::kBlockN;
   if (key_blocks > 0) {
-    auto kernel = Scores::general(args.fwd) ? dkdv_kernel<T, kHeadDim, Shape, true>
-                                            : dkdv_kernel<T, kHeadDim, Shape, false>;
+    auto kernel = dkdv_kernel<T, kHeadDim, Shape, kGeneral>;
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmemBytes);
     if (err != cudaSuccess) return err;
     const dim3 grid(sequential ? 1 : key_blocks, shape.num_kv_heads, shape.batch);
@@ -390,10 +397,20 @@ cudaError_t launch_backward_typed(const BackwardArgs& args, const BackwardWorksp
   }
   if (rows > 0) {
     const dim3 grid((shape.q_len + L::kBlockM - 1) / L::kBlockM, shape.num_heads, shape.batch);
-    convert_dq_kernel<T, kHeadDim><<<grid, DqLayout<kHeadDim>::kThreads, 0, stream>>>(args, ws);
+    convert_dq_kernel<T, kHeadDim, typename L::Dq><<<grid, L::Dq::kThreads, 0, stream>>>(args, ws);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   return cudaSuccess;
+}
+
+// The plain kernel (scale only, no bias, mask or softcap) or the general one, each in its shape.
+template <typename T, int kHeadDim, typename PlainShape = BwdDefaultShape<kHeadDim, false>,
+          typename GeneralShape = BwdDefaultShape<kHeadDim, true>>
+cudaError_t launch_backward_typed(const BackwardArgs& args, const BackwardWorkspace& ws,
+                                  bool sequential, cudaStream_t stream) {
+  if (Scores::general(args.fwd))
+    return launch_backward_kernels<T, kHeadDim, GeneralShape, true>(args, ws, sequential, stream);
+  return launch_backward_kernels<T, kHeadDim, PlainShape, false>(args, ws, sequential, stream);
 }
 
 cudaError_t launch_backward(const BackwardArgs& args, const BackwardWorkspace& ws,
@@ -412,8 +429,9 @@ cudaError_t launch_backward(const BackwardArgs& args, const BackwardWorkspace& w
         const cudaError_t err =
             current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, &optin);
         if (err != cudaSuccess) return err;
-        if (optin < BwdLayout<256, BwdDefaultShape<256>>::kSmemBytes)
-          return launch_backward_typed<T, 256, BwdOneStageShape256>(args, ws, sequential, stream);
+        if (optin < BwdLayout<256, BwdDefaultShape<256, false>>::kSmemBytes)
+          return launch_backward_typed<T, 256, BwdOneStageShape256, BwdOneStageShape256>(
+              args, ws, sequential, stream);
       }
       return launch_backward_typed<T, kCapacity>(args, ws, sequential, stream);
     });

@@ -53,13 +53,15 @@ struct BackwardWorkspace {
   float* dsum = nullptr;      // [B, N, T]
 };
 
-// dq_accum holds, per (batch, head), ceil(T / 64) blocks of 64 query rows x the head-dim
-// capacity, each stored in the order of the dQ MMA fragments, so that a warp's fp32 atomics
-// cover 32 consecutive floats.
-constexpr int64_t kBackwardQueryBlock = 64;
+// dq_accum holds, per (batch, head), the query rows rounded up to a multiple of 128 (which
+// every backward query block, 64 or 128 rows, divides) x the head-dim capacity, in blocks of
+// the backward's query block, each stored in the order of the dQ MMA fragments, so that a
+// warp's fp32 atomics cover 32 consecutive floats.
+constexpr int64_t kBackwardQueryBlockMultiple = 128;
 inline int64_t backward_dq_accum_elements(const AttentionShape& s) {
-  const int64_t blocks = (s.q_len + kBackwardQueryBlock - 1) / kBackwardQueryBlock;
-  return s.batch * s.num_heads * blocks * kBackwardQueryBlock * v1v2_head_dim_capacity(s.head_dim);
+  const int64_t rows = (s.q_len + kBackwardQueryBlockMultiple - 1) / kBackwardQueryBlockMultiple *
+                       kBackwardQueryBlockMultiple;
+  return s.batch * s.num_heads * rows * v1v2_head_dim_capacity(s.head_dim);
 }
 inline int64_t backward_dsum_elements(const AttentionShape& s) {
   return s.batch * s.num_heads * s.q_len;

@@ -40,13 +40,13 @@ def _head_dim_capacity(head_dim: int) -> int:
 
 
 def backward_workspaces(shape: AttentionShape, dtype):
-  """dq_accum f32: per (batch, head), ceil(T / 64) blocks of 64 query rows x the head-dim
-  capacity, in the kernels' fragment order (backward_dq_accum_elements in cuda/v1v2.h); and
-  dsum f32 [B, N, T] (D = rowsum(dout * out))."""
+  """dq_accum f32: per (batch, head), T rounded up to a multiple of 128 query rows x the
+  head-dim capacity, in the kernels' fragment order (backward_dq_accum_elements in
+  cuda/v1v2.h); and dsum f32 [B, N, T] (D = rowsum(dout * out))."""
   del dtype
   b, t, n, h = shape.batch, shape.q_len, shape.num_heads, shape.head_dim
-  blocks = -(-t // 64)
-  return (jax.ShapeDtypeStruct((b, n, blocks * 64, _head_dim_capacity(h)), jnp.float32),
+  rows = -(-t // 128) * 128
+  return (jax.ShapeDtypeStruct((b, n, rows, _head_dim_capacity(h)), jnp.float32),
           jax.ShapeDtypeStruct((b, n, t), jnp.float32))
 
 

@@ -717,7 +717,8 @@ std::string forward_shape_name() {
 }
 template <typename Shape>
 std::string backward_shape_name() {
-  return "N" + std::to_string(Shape::kBlockN) + " stages" + std::to_string(Shape::kStages);
+  return "M" + std::to_string(Shape::kBlockM) + " N" + std::to_string(Shape::kBlockN) + " stages" +
+         std::to_string(Shape::kStages);
 }
 
 // The library's shape for head dim H first, then the alternatives (bf16).
@@ -731,7 +732,7 @@ std::vector<std::pair<std::string, ForwardLaunch>> forward_variants() {
 }
 template <int H, typename... Alternatives>
 std::vector<std::pair<std::string, BackwardLaunch>> backward_variants() {
-  using Default = jax_flash::BwdDefaultShape<H>;
+  using Default = jax_flash::BwdDefaultShape<H, false>;
   return {{"bwd " + backward_shape_name<Default>() + " (default)",
            jax_flash::launch_backward_typed<__nv_bfloat16, H, Default>},
           {"bwd " + backward_shape_name<Alternatives>(),
@@ -750,15 +751,15 @@ void tune_row(const Problem& p, Device& d, const ForwardArgs& fa, const Backward
   switch (p.c.h) {
     case 64:
       forwards = forward_variants<64, V2Shape<128, 64, 4>>();
-      backwards = backward_variants<64, BwdShape<64, 2>>();
+      backwards = backward_variants<64, BwdShape<64, 128, 2>>();
       break;
     case 128:
       forwards = forward_variants<128, V2Shape<64, 64, 4>>();
-      backwards = backward_variants<128, BwdShape<128, 1>, BwdShape<64, 2>>();
+      backwards = backward_variants<128, BwdShape<64, 128, 1>, BwdShape<64, 64, 2>>();
       break;
     default:  // stages1: what sm_80's shared memory allows (launch_backward)
       forwards = forward_variants<256, V2Shape<128, 64, 8>>();
-      backwards = backward_variants<256, BwdShape<64, 1>>();
+      backwards = backward_variants<256, BwdShape<64, 64, 1>>();
   }
   const auto status = [&](const SpotErrors& e, const char* which) {
     static char buf[160];
