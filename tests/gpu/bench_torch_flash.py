@@ -4,8 +4,9 @@ come from one run on one card. BTNH inputs (the transposed views are what SDPA's
 reads without a copy). Prints the kernels that ran, from the profiler.
 
   python3 tests/gpu/bench_torch_flash.py
-  python3 tests/gpu/bench_torch_flash.py --once H   one forward at the grid's T=4096 row of head
-                                                   dim H, nothing printed (for ncu)
+  python3 tests/gpu/bench_torch_flash.py --once H   one forward and backward at the grid's
+                                                   T=4096 row of head dim H, nothing printed
+                                                   (for ncu: -k regex:flash_fwd / flash_bwd)
 """
 import sys
 
@@ -35,12 +36,13 @@ def kernels_of(fn):
   return sorted({e.name for e in prof.events() if "flash" in e.name.lower()})
 
 
-def forward_once(h):
+def forward_backward_once(h):
   n = 2048 // h
-  q, k, v = (torch.randn(4, 4096, n, h, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-             for _ in range(3))
+  q, k, v, dout = (torch.randn(4, 4096, n, h, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                   for _ in range(4))
+  q, k, v = (x.requires_grad_() for x in (q, k, v))
   with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-    sdpa(q, k, v)
+    torch.autograd.grad(sdpa(q, k, v), (q, k, v), dout)
   torch.cuda.synchronize()
 
 
@@ -85,7 +87,7 @@ def main():
 
 if __name__ == "__main__":
   if len(sys.argv) == 3 and sys.argv[1] == "--once":
-    forward_once(int(sys.argv[2]))
+    forward_backward_once(int(sys.argv[2]))
   elif len(sys.argv) == 1:
     main()
   else:
