@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(256) preprocess_kernel(const __grid_constant__
   }
 }
 
-// dq = scale * dq_accum for one 64-row query block of one (b, head): each thread reads its
+// dq = scale * dq_accum for one query block (Dq::kRows) of one (b, head): each thread reads its
 // fragment elements (coalesced), the block is reassembled in shared memory and written out in
 // 16-byte rows.
 template <typename T, int kHeadDim, typename Dq>
@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(256, 1)
 
 template <typename T, int kHeadDim, typename Shape, bool kGeneral>
 cudaError_t launch_backward_kernels(const BackwardArgs& args, const BackwardWorkspace& ws,
-                                  bool sequential, cudaStream_t stream) {
+                                    bool sequential, cudaStream_t stream) {
   using L = BwdLayout<kHeadDim, Shape>;
   const AttentionShape& shape = args.fwd.shape;
   cudaError_t err;

@@ -51,10 +51,13 @@ def test_long_causal_gqa_seqlens(schedule, rng):
 
 
 def test_workspace_shapes_follow_the_kernels():
-  """dq_accum covers whole 64-row query blocks of the head-dim capacity (cuda/v1v2.h)."""
+  """dq_accum covers the query rows rounded up to 128 (whole blocks of either backward query
+  block, 64 or 128 rows) x the head-dim capacity (backward_dq_accum_elements, cuda/v1v2.h)."""
   shape = AttentionShape(batch=2, q_len=65, kv_len=7, num_heads=3, num_kv_heads=1, head_dim=72)
   dq_accum, dsum = v2.backward_workspaces(shape, jnp.bfloat16)
   assert dq_accum.shape == (2, 3, 128, 128) and dq_accum.dtype == jnp.float32
+  longer = AttentionShape(batch=1, q_len=130, kv_len=7, num_heads=1, num_kv_heads=1, head_dim=64)
+  assert v2.backward_workspaces(longer, jnp.bfloat16)[0].shape == (1, 1, 256, 64)
   assert dsum.shape == (2, 3, 65)
   (o_accum,) = v1.forward_workspaces(shape, jnp.bfloat16)
   assert o_accum.shape == (2, 3, 65, 72)
