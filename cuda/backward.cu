@@ -52,10 +52,12 @@ struct DqLayout {
 };
 
 // Tile shape of a dK / dV CTA: query rows per iteration, keys per CTA, query-side buffers (two
-// overlap the next query block's loads with this one's products).
-template <int kBlockM_, int kBlockN_, int kStages_>
+// overlap the next query block's loads with this one's products), column chunks of the dQ
+// product (see dkdv_kernel).
+template <int kBlockM_, int kBlockN_, int kStages_, int kDqChunks_ = 1>
 struct BwdShape {
   static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
+  static constexpr int kDqChunks = kDqChunks_;
 };
 
 // Head dim 64 takes 128 query rows per iteration, as FlashAttention-2 does: +4.6..+8.0% over
@@ -63,10 +65,11 @@ struct BwdShape {
 // keeps 64, where 128 spills 608 bytes. At 128, 128 x 64 loses 16-20% to 64 x 128. At 256 the
 // shared memory holds 64 keys. Its two query-side buffers take 217 KB, which sm_90 offers a CTA
 // and sm_80 (163 KB) does not: there it keeps one (launch_backward). On the H200 two are 4-14%
-// faster (harness --tune, session 13).
+// faster (harness --tune, session 13), and the plain kernel's dQ in two column chunks
+// +1.4..+3.8% more (two interleaved rounds, session 14; at 128 and 64 chunks lose 0.4-1.9%).
 template <int kHeadDim, bool kGeneral>
-using BwdDefaultShape =
-    BwdShape<kHeadDim <= 64 && !kGeneral ? 128 : 64, kHeadDim <= 128 ? 128 : 64, 2>;
+using BwdDefaultShape = BwdShape<kHeadDim <= 64 && !kGeneral ? 128 : 64, kHeadDim <= 128 ? 128 : 64,
+                                 2, (kHeadDim > 128 && !kGeneral) ? 2 : 1>;
 using BwdOneStageShape256 = BwdShape<64, 64, 1>;
 
 template <int kHeadDim, typename Shape>
@@ -319,27 +322,39 @@ __global__ void __launch_bounds__(256, 1)
           kv_acc, [&](uint32_t(&a)[MT_KV][4], int k0) { load_a_transposed(a, sA, kv_r0, k0, lane); },
           [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_kmajor(bf, sB, k0, kv_c0 + n0, lane); });
 
-      float dq[MT_Q][NT_Q][4];
-      zero(dq);
-      warp_gemm<T, MT_Q, NT_Q, L::kBlockN / 16>(
-          dq, [&](uint32_t(&a)[MT_Q][4], int k0) { load_a(a, sdS, q_r0, k0, lane); },
-          [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_kmajor(bf, sK, k0, q_c0 + n0, lane); });
-      // Padding rows and columns of the block add zeros: no bounds checks.
-      float* accum = L::Dq::thread_base(ws.dq_accum, shape, b, head, r0 / L::kBlockM, warp, lane);
-      if (sequential) {  // this CTA owns the rows: plain read-modify-write
+      // dQ = dS K in column chunks: a chunk's fp32 reductions are issued before the next
+      // chunk's products, which run while they drain.
+      constexpr int kChunks = Shape::kDqChunks, NT_C = NT_Q / kChunks;
+      static_assert(NT_Q % (2 * kChunks) == 0, "B fragments load in pairs of n-tiles");
 #pragma unroll
-        for (int m = 0; m < MT_Q; ++m)
+      for (int chunk = 0; chunk < kChunks; ++chunk) {
+        float dq[MT_Q][NT_C][4];
+        zero(dq);
+        warp_gemm<T, MT_Q, NT_C, L::kBlockN / 16>(
+            dq, [&](uint32_t(&a)[MT_Q][4], int k0) { load_a(a, sdS, q_r0, k0, lane); },
+            [&](uint32_t(&bf)[4], int k0, int n0) {
+              load_b_pair_kmajor(bf, sK, k0, q_c0 + 8 * NT_C * chunk + n0, lane);
+            });
+        // Padding rows and columns of the block add zeros: no bounds checks.
+        float* accum = L::Dq::thread_base(ws.dq_accum, shape, b, head, r0 / L::kBlockM, warp, lane);
+        const auto at = [&](int m, int n, int e) {
+          return accum + ((m * NT_Q + NT_C * chunk + n) * 4 + e) * 32;
+        };
+        if (sequential) {  // this CTA owns the rows: plain read-modify-write
 #pragma unroll
-          for (int n = 0; n < NT_Q; ++n)
+          for (int m = 0; m < MT_Q; ++m)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) accum[((m * NT_Q + n) * 4 + e) * 32] += dq[m][n][e];
-      } else {
+            for (int n = 0; n < NT_C; ++n)
 #pragma unroll
-        for (int m = 0; m < MT_Q; ++m)
+              for (int e = 0; e < 4; ++e) *at(m, n, e) += dq[m][n][e];
+        } else {
 #pragma unroll
-          for (int n = 0; n < NT_Q; ++n)
+          for (int m = 0; m < MT_Q; ++m)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) atomicAdd(accum + ((m * NT_Q + n) * 4 + e) * 32, dq[m][n][e]);
+            for (int n = 0; n < NT_C; ++n)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) atomicAdd(at(m, n, e), dq[m][n][e]);
+        }
       }
 
       if (L::kStages == 1 && it + 1 < total) {

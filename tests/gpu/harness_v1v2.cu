@@ -718,7 +718,7 @@ std::string forward_shape_name() {
 template <typename Shape>
 std::string backward_shape_name() {
   return "M" + std::to_string(Shape::kBlockM) + " N" + std::to_string(Shape::kBlockN) + " stages" +
-         std::to_string(Shape::kStages);
+         std::to_string(Shape::kStages) + " dq-chunks" + std::to_string(Shape::kDqChunks);
 }
 
 // The library's shape for head dim H first, then the alternatives (bf16).
@@ -759,7 +759,7 @@ void tune_row(const Problem& p, Device& d, const ForwardArgs& fa, const Backward
       break;
     default:  // stages1: what sm_80's shared memory allows (launch_backward)
       forwards = forward_variants<256, V2Shape<128, 64, 8>>();
-      backwards = backward_variants<256, BwdShape<64, 64, 1>>();
+      backwards = backward_variants<256, BwdShape<64, 64, 1>, BwdShape<64, 64, 2>>();
   }
   const auto status = [&](const SpotErrors& e, const char* which) {
     static char buf[160];
