@@ -76,8 +76,10 @@ template <int kHeadDim, typename Shape>
 struct BwdLayout {
   static constexpr int kThreads = 256;                 // 8 warps
   static constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kStages = Shape::kStages;
-  // S and dP: kBlockM / 32 x kSKeyWarps warps of 32 rows x kBlockN / kSKeyWarps keys.
-  static constexpr int kSKeyWarps = 8 / (kBlockM / 32);
+  using Dq = DqLayout<kHeadDim, kBlockM>;
+  // S and dP: kBlockM / 32 x kSKeyWarps warps of 32 rows x kBlockN / kSKeyWarps keys, the
+  // same 32-row warp rows as the dQ product.
+  static constexpr int kSKeyWarps = Dq::kColumnWarps;
   static constexpr int MT_S = 2, NT_S = kBlockN / 8 / kSKeyWarps;
   static_assert(2 * kBlockM <= kThreads, "one thread per lse / D element of a query block");
   // dV on warps 0-3, dK on warps 4-7, each 32 keys x kHeadDim / kKvColumnWarps columns, so
@@ -89,7 +91,6 @@ struct BwdLayout {
   static constexpr int kKvKeyWarps = kBlockN / 32, kKvColumnWarps = 4 / kKvKeyWarps;
   static_assert(kKvKeyWarps * kKvColumnWarps == 4, "four warps per product");
   static constexpr int MT_KV = 2, NT_KV = kHeadDim / 8 / kKvColumnWarps;
-  using Dq = DqLayout<kHeadDim, kBlockM>;
   using KVTile = Tile<kBlockN, kHeadDim>;
   using QTile = Tile<kBlockM, kHeadDim>;
   using PTile = Tile<kBlockM, kBlockN>;

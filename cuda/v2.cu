@@ -4,10 +4,10 @@
 // softmax statistics never leave the warp; the output accumulates unnormalized in registers and
 // is divided by the row sums once, at the end. K and V tiles stream through one shared-memory
 // buffer each: V of tile j loads during Q K^T of tile j, K of tile j + 1 during the softmax and
-// P V of tile j (two barriers per tile). Measured on the H200 (session 13) against two stages of K and V (one
-// barrier per tile): -2..+5.5% at the same tile, and the smaller footprint lets head dim 256 run
-// two 64-row CTAs per SM (+11-14% over one 128-row CTA of 8 warps) and head dim 64 take 128-key
-// steps (+7-10%).
+// P V of tile j (two barriers per tile). Measured on the H200 (session 13) against two stages of
+// K and V (one barrier per tile): -2..+5.5% at the same tile, and the smaller footprint lets head
+// dim 256 run two 64-row CTAs per SM (+11-14% over one 128-row CTA of 8 warps) and head dim 64
+// take 128-key steps (+7-10%).
 #include <type_traits>
 
 #include "tile.cuh"

@@ -130,8 +130,9 @@ def _check_forward(schedule: str, case: Case, x):
                                   Case(t=300, s=300, n=2, k=1, h=256, is_causal=True)], ids=str)
 def test_row_maxima_that_climb_along_the_keys_match_float64(schedule, dtype, case, rng):
   """Keys whose norms grow along the sequence raise each row's max by more than v2 / v3's
-  conditional-rescaling bound (8 in log2 units, cuda/tile.cuh) in some key blocks and by less
-  in others: both the rescaling and the stale-max paths run, with probabilities up to 2^8."""
+  conditional-rescaling bound (kRescaleThreshold = 8 in log2 units, cuda/softmax_constants.h)
+  in some key blocks and by less in others: both the rescaling and the stale-max paths run,
+  with probabilities up to 2^8."""
   case = dataclasses.replace(case, dtype=dtype)
   _require(schedule, case)
   x = make_inputs(case, rng)
