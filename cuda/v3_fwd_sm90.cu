@@ -27,6 +27,11 @@
 //     tile, or under causal masking the pair of m-blocks {last - k, k}, whose costs add up to
 //     the same for every k (longest first), so that the static assignment balances. Units are
 //     grouped by heads whose K / V fit in L2.
+//   * clusters of two CTAs (where both m-blocks of a pair visit the same key blocks: no causal
+//     mask or window): the pair runs two m-blocks of one head side by side;
+//     each CTA loads half of every K / V block into both with TMA multicast, and a stage is free
+//     once the consumers of both CTAs released it (exchange_release). Half the K / V traffic
+//     from L2 per CTA.
 //
 // Tiles (kBlockM x kBlockN): head dim 64: 128 x 128, or 192 x 128 (three consumer warpgroups)
 // on long sequences; 128: 128 x 128, or 128 x 192 on long ones; 256: 128 x 80. Two K / V
@@ -43,6 +48,7 @@
 #include "v3.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -65,7 +71,7 @@ using namespace hopper;
 // ------------------------------------------------------------------------------------------
 
 template <typename Element_, int kHeadDim_, int kBlockN_, int kConsumerWarpgroups_,
-          bool kConditionalRescale_, int kExp2EmulationPeriod_>
+          bool kConditionalRescale_, int kExp2EmulationPeriod_, int kClusterSize_>
 struct Config {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -76,6 +82,12 @@ struct Config {
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
   static constexpr bool kConditionalRescale = kConditionalRescale_;
   static constexpr int kExp2EmulationPeriod = kExp2EmulationPeriod_;
+  // 2: the two CTAs of a cluster run two m-blocks of one head side by side, and each loads half
+  // of every K / V block into both (TMA multicast): half the K / V reads from L2 per CTA.
+  static constexpr int kClusterSize = kClusterSize_;
+  static constexpr int kKVBoxRows = kBlockN / kClusterSize;  // rows of one K / V load
+  // mbarriers per stage: K and V "full" and "empty", and in a cluster "peer" (exchange_release)
+  static constexpr int kStageBarriers = kClusterSize > 1 ? 6 : 4;
 
   // After setmaxnreg the CTA's 64K registers are split between the producer and consumers.
   static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? 24 : 32;
@@ -94,7 +106,7 @@ struct Config {
     return kv_offset(q_buffers) + 2 * kStages * kKVBytes;
   }
   static constexpr int smem_bytes(int q_buffers) {
-    return barrier_offset(q_buffers) + 8 * (2 * q_buffers + 4 * kStages) + 1024;
+    return barrier_offset(q_buffers) + 8 * (2 * q_buffers + kStageBarriers * kStages) + 1024;
   }
   // Three Q buffers where they fit (head dims 64 and 128 with 128-key blocks; not 256, not the
   // wide 192-key tile): the next tile's Q loads while this tile runs, and each tile's output is
@@ -110,16 +122,20 @@ struct Config {
   static constexpr int kSmemBytes = smem_bytes(kQBuffers);
   static_assert(kSmemBytes <= kSmemLimit, "tile does not fit in shared memory");
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
+  static_assert(kClusterSize == 1 || kClusterSize == 2);
 };
 
 // The mbarriers, in order, at kBarrierOffset: one per Q buffer / K or V stage, 8 bytes apart.
+// In a cluster, then a K and a V "peer" barrier per stage.
 struct BarrierAddresses {
   uint32_t q_full, q_empty, k_full, k_empty, v_full, v_empty;  // of buffer / stage 0
+  uint32_t k_peer, v_peer;
   template <class Cfg>
   __device__ static BarrierAddresses at(uint32_t base) {
     constexpr int s = Cfg::kStages, q = Cfg::kQBuffers;
     const uint32_t kv = base + 16 * q;
-    return {base, base + 8 * q, kv, kv + 8 * s, kv + 16 * s, kv + 24 * s};
+    return {base, base + 8 * q, kv, kv + 8 * s, kv + 16 * s, kv + 24 * s, kv + 32 * s,
+            kv + 40 * s};
   }
 };
 
@@ -239,15 +255,19 @@ struct Tile {
 // grows with its m-block (causal without a left window), the pair of m-blocks {last - k, k},
 // so that every unit costs the same and the static assignment balances. Units come in groups
 // of (batch, head) pairs whose K / V fit in L2 (UnitGroups); inside a group the longest m-blocks
-// come first, heads innermost. Returns false when the unit has no `second` tile.
+// come first, heads innermost. In clusters of two (never with pairs), units 2i and 2i + 1 are
+// m-blocks 2j and 2j + 1 of one head: the grid is even, so the cluster's CTAs (ranks 0 and 1)
+// run them side by side, and the groups count units in twos. Returns false when the unit has no
+// `second` tile.
 template <class Cfg>
 __device__ bool decode_tile(const Params& p, int unit, bool second, Tile& t) {
   // Tested before the unit's decode, a chain of dependent multiply-shifts that every tile
   // boundary would otherwise run twice without pairs.
   if (second && !p.pair_m_blocks) return false;
+  constexpr int kCluster = Cfg::kClusterSize;
   int bh;
-  const int order = p.groups.order_of(unit, &bh);
-  const int first_m_block = p.num_m_blocks - 1 - order;
+  const int order = p.groups.order_of(unit / kCluster, &bh);
+  const int first_m_block = p.num_m_blocks - kCluster * (order + 1) + unit % kCluster;
   if (second && order >= first_m_block) return false;
 
   t.batch = p.div_num_heads.divmod(bh, t.head);
@@ -260,7 +280,13 @@ __device__ bool decode_tile(const Params& p, int unit, bool second, Tile& t) {
   int col_hi = t.kv_cols - 1;
   if (p.window_right >= 0) col_hi = min(col_hi, row_hi + p.window_right);
   const int col_lo = p.window_left >= 0 ? max(0, row_lo - p.window_left) : 0;
-  if (row_hi < row_lo || col_hi < col_lo) {
+  // The two tiles of a cluster's pair run both or neither, as their CTAs share every K / V load:
+  // a tile past its batch's rows (q_seqlens) runs with all rows masked, which writes what an
+  // empty tile writes (out 0, lse -inf), while the other tile has rows. Its keys are the
+  // other's: use_cluster takes no window.
+  const int pair_row_lo = t.m_block / kCluster * kCluster * Cfg::kBlockM;
+  const bool no_rows = min(pair_row_lo + kCluster * Cfg::kBlockM, t.q_rows) <= pair_row_lo;
+  if (no_rows || col_hi < col_lo) {
     t.n_min = t.n_max = 0;
   } else {
     t.n_min = col_lo / Cfg::kBlockN;
@@ -272,6 +298,37 @@ __device__ bool decode_tile(const Params& p, int unit, bool second, Tile& t) {
 // ------------------------------------------------------------------------------------------
 // Producer: one thread streams Q, then K_j and V_j for j from the last key block down
 // ------------------------------------------------------------------------------------------
+
+// Key block nb of K or V into `dst`, signalling `bar`. In a cluster of two, this CTA loads its
+// half of the block's rows into both CTAs, whose `bar` each expect the whole block.
+template <class Cfg>
+__device__ __forceinline__ void load_kv(const CUtensorMap* map, uint32_t dst, uint32_t bar,
+                                        int nb, int kv_head, int batch) {
+  if constexpr (Cfg::kClusterSize == 1) {
+    tma_load_tile<Cfg::kSlabs, Cfg::kBlockN>(map, dst, bar, nb * Cfg::kBlockN, kv_head, batch);
+  } else {
+    constexpr int kRows = Cfg::kKVBoxRows;
+    const int half = int(cluster_cta_rank());
+    tma_load_tile_multicast<Cfg::kSlabs, Cfg::kBlockN, kRows>(
+        map, dst + half * kRows * 128, bar, nb * Cfg::kBlockN + half * kRows, kv_head, batch,
+        uint16_t((1 << Cfg::kClusterSize) - 1));
+  }
+}
+
+// In a cluster a stage is free once the consumers of both CTAs released it, since the next
+// block lands in both. Each CTA's consumers release it in their own CTA's "empty" barrier as
+// without clusters; once that phase completed, the producer tells the other CTA's producer (a
+// remote arrival on its "peer" barrier) and waits for the same word from it. One arrival per
+// stage use each way, so the peer barrier's phase parity is the use's: `phase`. (Measured
+// against each consumer warp arriving in both CTAs: as fast or faster, by up to 1.4%, and
+// the consumers' code and registers stay as without clusters; docs/perf-notes-v3.md.)
+template <class Cfg>
+__device__ __forceinline__ void exchange_release(uint32_t peer_bar, uint32_t phase) {
+  if constexpr (Cfg::kClusterSize > 1) {
+    mbarrier_arrive_cluster(peer_bar, cluster_cta_rank() ^ 1);
+    mbarrier_wait(peer_bar, phase);
+  }
+}
 
 // Streams one tile's Q and its K_j, V_j (j from the last key block down). q_count: non-empty
 // tiles so far, which selects the Q buffer and its phase.
@@ -302,18 +359,18 @@ __device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uin
     const uint32_t v_dst = smem + Cfg::kVOffset + stage * Cfg::kKVBytes;
 
     mbarrier_wait(bars.k_empty + 8 * stage, phase ^ 1);
+    exchange_release<Cfg>(bars.k_peer + 8 * stage, phase);
     mbarrier_arrive_expect_tx(bars.k_full + 8 * stage, Cfg::kKVBytes);
-    tma_load_tile<Cfg::kSlabs, Cfg::kBlockN>(&p.tma_k, k_dst, bars.k_full + 8 * stage,
-                                             nb * Cfg::kBlockN, kv_head, t.batch);
+    load_kv<Cfg>(&p.tma_k, k_dst, bars.k_full + 8 * stage, nb, kv_head, t.batch);
     // One buffer: Q waits until every consumer warp released the last tile's, so the first K
     // goes ahead of it.
     if constexpr (Cfg::kQBuffers == 1) {
       if (nb == t.n_max - 1) load_q();
     }
     mbarrier_wait(bars.v_empty + 8 * stage, phase ^ 1);
+    exchange_release<Cfg>(bars.v_peer + 8 * stage, phase);
     mbarrier_arrive_expect_tx(bars.v_full + 8 * stage, Cfg::kKVBytes);
-    tma_load_tile<Cfg::kSlabs, Cfg::kBlockN>(&p.tma_v, v_dst, bars.v_full + 8 * stage,
-                                             nb * Cfg::kBlockN, kv_head, t.batch);
+    load_kv<Cfg>(&p.tma_v, v_dst, bars.v_full + 8 * stage, nb, kv_head, t.batch);
     TIMELINE_TILE_EVENT(q_count - 1, kFirstKvIssued, nb == t.n_max - 1);
     TIMELINE_TILE_EVENT(q_count - 1, kLastKvIssued, nb == t.n_min);
   }
@@ -902,11 +959,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
       mbarrier_init(bars.k_empty + 8 * s, kEmptyArrivals);
       mbarrier_init(bars.v_full + 8 * s, 1);
       mbarrier_init(bars.v_empty + 8 * s, kEmptyArrivals);
+      if (Cfg::kClusterSize > 1) {
+        mbarrier_init(bars.k_peer + 8 * s, 1);
+        mbarrier_init(bars.v_peer + 8 * s, 1);
+      }
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   TIMELINE_START(p, threadIdx.x == 0);
-  __syncthreads();
+  // In a cluster, the other CTA's barriers must be initialized before any load or release
+  // reaches them.
+  if constexpr (Cfg::kClusterSize > 1) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
   TIMELINE_EVENT(tl::kEntry, threadIdx.x == 0);
 
   const int warpgroup = threadIdx.x / 128;
@@ -917,6 +984,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
     grow_registers<Cfg::kConsumerRegisters>();
     run_consumer<Cfg>(p, smem, bars, warpgroup - 1);
   }
+  // No cluster barrier before exit: every remote operation into the other CTA is waited for
+  // there before it can finish (its producer waits for each peer arrival, its consumers for
+  // each multicast block). One here made ptxas spill 76 bytes in the head dim 256 consumers.
 }
 
 // ------------------------------------------------------------------------------------------
@@ -934,20 +1004,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
 //          240 registers, and ptxas serializes the wgmmas.
 enum class TileShape { kStandard, kTall, kWide };
 constexpr int kWideBlockN = 192;
-template <typename Element, int kHeadDim, TileShape kTile, bool kConditionalRescale,
-          int kExp2EmulationPeriod>
+template <typename Element, int kHeadDim, TileShape kTile, int kClusterSize,
+          bool kConditionalRescale, int kExp2EmulationPeriod>
 struct ConfigFor;
-template <typename Element, TileShape kTile, bool R, int E>
-struct ConfigFor<Element, 64, kTile, R, E> {
-  using type = Config<Element, 64, 128, kTile == TileShape::kTall ? 3 : 2, R, E>;
+template <typename Element, TileShape kTile, int C, bool R, int E>
+struct ConfigFor<Element, 64, kTile, C, R, E> {
+  using type = Config<Element, 64, 128, kTile == TileShape::kTall ? 3 : 2, R, E, C>;
 };
-template <typename Element, TileShape kTile, bool R, int E>
-struct ConfigFor<Element, 128, kTile, R, E> {
-  using type = Config<Element, 128, kTile == TileShape::kWide ? kWideBlockN : 128, 2, R, E>;
+template <typename Element, TileShape kTile, int C, bool R, int E>
+struct ConfigFor<Element, 128, kTile, C, R, E> {
+  using type = Config<Element, 128, kTile == TileShape::kWide ? kWideBlockN : 128, 2, R, E, C>;
 };
-template <typename Element, bool R, int E>
-struct ConfigFor<Element, 256, TileShape::kStandard, R, E> {
-  using type = Config<Element, 256, 80, 2, R, E>;
+template <typename Element, int C, bool R, int E>
+struct ConfigFor<Element, 256, TileShape::kStandard, C, R, E> {
+  using type = Config<Element, 256, 80, 2, R, E, C>;
 };
 
 // Head dim 64: the 192-row tile is faster on long sequences (T = 16384: +19% non-causal, +10%
@@ -971,6 +1041,45 @@ TileShape use_tile(const ForwardArgs& a) {
              : TileShape::kStandard;
 }
 
+// Clusters of two CTAs sharing each K / V block (Config::kClusterSize): measured (harness,
+// settled; docs/perf-notes-v3.md, session 15) -5% at T = 1024 for head dims 128 / 256, -2..-3%
+// at T = 4096 / 16384, -1..-2% at head dim 64. Only where both m-blocks of a pair visit the
+// same key blocks in the same order: no causal mask or window (key ranges that depend on the
+// rows), an even number of m-blocks (a pair never straddles two heads). Query lengths are
+// fine (decode_tile).
+bool use_cluster(const ForwardArgs& a, int block_m) {
+  const MaskSpec& m = a.spec;
+  const int64_t m_blocks = (a.shape.q_len + block_m - 1) / block_m;
+  return !m.is_causal && m.window_left < 0 && m.window_right < 0 && m_blocks % 2 == 0;
+}
+
+// The CTAs of a persistent forward grid: at most one per SM and per unit; in clusters of two, as
+// many pairs as fit at once (a cluster's CTAs share a GPC, so an odd SM of a GPC stays idle).
+template <class Cfg>
+cudaError_t persistent_grid(const void* kernel, cudaLaunchConfig_t config, int num_units,
+                            int sm_count, int* grid) {
+  if constexpr (Cfg::kClusterSize == 1) {
+    *grid = std::min(num_units, sm_count);
+    return cudaSuccess;
+  } else {
+    // Queried once per kernel and SM count (a driver call, not to be paid per launch).
+    static std::atomic<int64_t> cached{0};  // sm_count << 32 | clusters
+    int64_t known = cached.load(std::memory_order_relaxed);
+    if (known >> 32 != sm_count) {
+      config.gridDim = dim3(Cfg::kClusterSize * (sm_count / Cfg::kClusterSize));
+      int clusters = 0;
+      const cudaError_t err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+      if (err != cudaSuccess) return err;
+      if (clusters < 1) return cudaErrorInvalidConfiguration;
+      known = int64_t(sm_count) << 32 | clusters;
+      cached.store(known, std::memory_order_relaxed);
+    }
+    const int clusters = int(known & 0xffffffff);
+    *grid = Cfg::kClusterSize * std::min(num_units / Cfg::kClusterSize, clusters);
+    return cudaSuccess;
+  }
+}
+
 // The switches the library runs per head dim (measured in docs/perf-notes-v3.md).
 template <int kHeadDim>
 struct DefaultTuning {
@@ -990,9 +1099,9 @@ cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
   if (!encode_tensor_map(&p.tma_q, a.q, a.dtype, sh.batch, sh.q_len, sh.num_heads, sh.head_dim,
                          Cfg::kBlockM) ||
       !encode_tensor_map(&p.tma_k, a.k, a.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
-                         sh.head_dim, Cfg::kBlockN) ||
+                         sh.head_dim, Cfg::kKVBoxRows) ||
       !encode_tensor_map(&p.tma_v, a.v, a.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
-                         sh.head_dim, Cfg::kBlockN) ||
+                         sh.head_dim, Cfg::kKVBoxRows) ||
       (Cfg::kStageOutput && !encode_tensor_map(&p.tma_o, a.out, a.dtype, sh.batch, sh.q_len,
                                                sh.num_heads, sh.head_dim, 64))) {
     return cudaErrorInvalidValue;
@@ -1015,7 +1124,8 @@ cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
   p.num_units = int(units_per_head * batch_heads);
   if (p.num_units == 0) return cudaSuccess;
   // num_units < 2^31 (V3ForwardUnsupportedReason), as DivMod needs for the decode's dividends.
-  p.groups = UnitGroups::of(units_per_head, batch_heads, heads_per_kv, sh.kv_len, sh.head_dim);
+  p.groups = UnitGroups::of(units_per_head / Cfg::kClusterSize, batch_heads, heads_per_kv,
+                            sh.kv_len, sh.head_dim);
   p.div_num_heads = DivMod(p.num_heads);
   p.div_heads_per_kv = DivMod(heads_per_kv);
 
@@ -1023,23 +1133,36 @@ cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const int grid = std::min(p.num_units, sm_count);
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = Cfg::kClusterSize;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.blockDim = dim3(Cfg::kThreads);
+  config.dynamicSmemBytes = Cfg::kSmemBytes;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = Cfg::kClusterSize > 1 ? 1 : 0;  // alone: launched as before clusters
+  int grid;
+  err = persistent_grid<Cfg>(reinterpret_cast<const void*>(kernel), config, p.num_units,
+                             sm_count, &grid);
+  if (err != cudaSuccess) return err;
+  config.gridDim = dim3(grid);
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
   if (!timeline_buffer.fits(grid)) return cudaErrorInvalidValue;
   p.timeline = timeline_buffer.records;
 #endif
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  return cudaLaunchKernelEx(&config, kernel, p);
 }
 
 // Launches the instantiation of (Element, kHeadDim, kTile) compiled for `tuning`: the head
 // dim's default, plus (bf16, JAX_FLASH_V3_TUNING_VARIANTS builds) every switch combination.
-template <typename Element, int kHeadDim, TileShape kTile>
+template <typename Element, int kHeadDim, TileShape kTile, int kCluster>
 cudaError_t launch_tuned(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
                          cudaStream_t stream) {
   using D = DefaultTuning<kHeadDim>;
   if (tuning == D::value()) {
-    using Cfg = typename ConfigFor<Element, kHeadDim, kTile, D::kConditionalRescale,
+    using Cfg = typename ConfigFor<Element, kHeadDim, kTile, kCluster, D::kConditionalRescale,
                                    D::kExp2EmulationPeriod>::type;
     return launch<Cfg>(a, sm_count, stream);
   }
@@ -1050,20 +1173,33 @@ cudaError_t launch_tuned(const ForwardArgs& a, const V3Tuning& tuning, int sm_co
       return cudaErrorNotSupported;
     }
     const bool emulated = tuning.exp2_emulation_period != 0;
+    constexpr int C = kCluster;
     if (tuning.conditional_rescale && emulated)
-      return launch<typename ConfigFor<Element, kHeadDim, kTile, true, kPeriod>::type>(
+      return launch<typename ConfigFor<Element, kHeadDim, kTile, C, true, kPeriod>::type>(
           a, sm_count, stream);
     if (tuning.conditional_rescale)
-      return launch<typename ConfigFor<Element, kHeadDim, kTile, true, 0>::type>(a, sm_count,
-                                                                               stream);
+      return launch<typename ConfigFor<Element, kHeadDim, kTile, C, true, 0>::type>(a, sm_count,
+                                                                                  stream);
     if (emulated)
-      return launch<typename ConfigFor<Element, kHeadDim, kTile, false, kPeriod>::type>(
+      return launch<typename ConfigFor<Element, kHeadDim, kTile, C, false, kPeriod>::type>(
           a, sm_count, stream);
-    return launch<typename ConfigFor<Element, kHeadDim, kTile, false, 0>::type>(a, sm_count,
-                                                                              stream);
+    return launch<typename ConfigFor<Element, kHeadDim, kTile, C, false, 0>::type>(a, sm_count,
+                                                                                 stream);
   }
 #endif
   return cudaErrorNotSupported;
+}
+
+// The tile in clusters of two where use_cluster allows, else alone.
+template <typename Element, int kHeadDim, TileShape kTile>
+cudaError_t launch_clustered(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
+                             cudaStream_t stream) {
+  using D = DefaultTuning<kHeadDim>;
+  using Cfg = typename ConfigFor<Element, kHeadDim, kTile, 1, D::kConditionalRescale,
+                                 D::kExp2EmulationPeriod>::type;
+  return use_cluster(a, Cfg::kBlockM)
+             ? launch_tuned<Element, kHeadDim, kTile, 2>(a, tuning, sm_count, stream)
+             : launch_tuned<Element, kHeadDim, kTile, 1>(a, tuning, sm_count, stream);
 }
 
 // The head dim's standard tile, or its alternative where use_tile picks that.
@@ -1071,8 +1207,9 @@ template <typename Element, int kHeadDim, TileShape kAlternative>
 cudaError_t launch_tile(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
                         cudaStream_t stream) {
   return use_tile(a) == kAlternative
-             ? launch_tuned<Element, kHeadDim, kAlternative>(a, tuning, sm_count, stream)
-             : launch_tuned<Element, kHeadDim, TileShape::kStandard>(a, tuning, sm_count, stream);
+             ? launch_clustered<Element, kHeadDim, kAlternative>(a, tuning, sm_count, stream)
+             : launch_clustered<Element, kHeadDim, TileShape::kStandard>(a, tuning, sm_count,
+                                                                        stream);
 }
 
 template <typename Element>
@@ -1081,7 +1218,8 @@ cudaError_t dispatch_head_dim(const ForwardArgs& a, const V3Tuning& tuning, int 
   switch (a.shape.head_dim) {
     case 64: return launch_tile<Element, 64, TileShape::kTall>(a, tuning, sm_count, stream);
     case 128: return launch_tile<Element, 128, TileShape::kWide>(a, tuning, sm_count, stream);
-    case 256: return launch_tuned<Element, 256, TileShape::kStandard>(a, tuning, sm_count, stream);
+    case 256:
+      return launch_clustered<Element, 256, TileShape::kStandard>(a, tuning, sm_count, stream);
     default: return cudaErrorInvalidValue;
   }
 }

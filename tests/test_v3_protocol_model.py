@@ -1,7 +1,9 @@
 """The v3 forward's barrier protocol (Q buffers, K / V stages, the pingpong ring, fused tile
-boundaries, staged output stores) as a CPU model, tests/gpu/v3_fwd_protocol_model.py: random tile
-sequences under random interleavings must neither deadlock nor overwrite a buffer in use, and two
-staged Q buffers must still deadlock where the kernel relies on the third."""
+boundaries, staged output stores, and the K / V multicast of a cluster of two CTAs) as a CPU
+model, tests/gpu/v3_fwd_protocol_model.py: random tile sequences under random interleavings, alone
+and in clusters, must neither deadlock nor overwrite a buffer in use; two staged Q buffers must
+still deadlock where the kernel relies on the third, and each mutation of the cluster's release
+exchange and "full" barriers must show the error it causes."""
 import pathlib
 import subprocess
 import sys

@@ -3,7 +3,7 @@
 //   check  correctness on small and odd shapes against a float64 CPU reference (every row),
 //          for every compiled tuning variant; outputs poisoned first; run twice, compared
 //          bitwise (a difference between identical runs is a race)
-//   small  five small cases (for compute-sanitizer), two with several tiles per CTA
+//   small  seven small cases (for compute-sanitizer), two with several tiles per CTA
 //   bench  the 18 configs of /work/shared/BENCHMARK.md: a float64 check of sampled rows plus a
 //          NaN scan of every output, then cudaEvent timings (median of repeats) in TFLOP/s,
 //          for every compiled tuning variant
@@ -341,6 +341,17 @@ std::vector<Case> check_cases() {
   cs.push_back(Case{hf, 2, 4100, 576, 2, 2, 128}.ragged({4100, 1000}, {576, 200}));
   // ... and causal from 16384 rows on (m-block pairs, a diagonal inside a 192-key block).
   cs.push_back({bf, 1, 16384, 16384, 1, 1, 128, true});
+  // Clusters of two CTAs sharing K / V loads (non-causal, no window, an even number of
+  // m-blocks; use_cluster in the kernel): several tiles per CTA at head dim 128 and on the
+  // 192-row tile (12 m-blocks); key lengths by kv_seqlens, one of them 0 (both CTAs of the pair
+  // skip the empty tiles); query lengths that leave one tile of a pair without rows (it runs
+  // masked beside the other) or both (skipped). The cases above with two m-blocks (197 rows at
+  // head dim 64, 16 x 256 GQA, the ragged 200 x 300, the 40000-key L2 groups) and the wide
+  // tile's 4096 rows run clustered too.
+  cs.push_back({bf, 16, 512, 512, 16, 16, 128});
+  cs.push_back({bf, 2, 2304, 2304, 16, 4, 64});
+  cs.push_back(Case{hf, 4, 512, 700, 8, 2, 128}.ragged({}, {700, 1, 0, 333}));
+  cs.push_back(Case{bf, 4, 512, 300, 8, 2, 128}.ragged({512, 100, 0, 300}, {300, 300, 200, 1}));
   return cs;
 }
 
@@ -751,6 +762,10 @@ int main(int argc, char** argv) {
       ok &= check_case({DType::kBF16, 4, 640, 640, 16, 4, 128, true}, 11);
       // Head dim 128's wide tile (use_tile), 64 tiles
       ok &= check_case({DType::kBF16, 1, 4096, 384, 2, 1, 128}, 12);
+      // Clusters of two sharing K / V (use_cluster), an empty batch by kv_seqlens, and one by
+      // q_seqlens beside one with rows for the first m-block only
+      const Case pairs{DType::kBF16, 4, 256, 300, 8, 2, 128};
+      ok &= check_case(pairs.ragged({256, 90, 0, 200}, {300, 0, 77, 256}), 13);
     } else if (mode == "bench") {
       ok &= bench(grid, 10);
     } else if (mode == "--bench-one" && i + 3 < argc) {

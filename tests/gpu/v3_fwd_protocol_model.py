@@ -1,61 +1,140 @@
 # A CPU model of the synchronisation in cuda/v3_fwd_sm90.cu (run_producer / run_consumer): the
 # mbarrier phases of the Q buffers and K / V stages, the pingpong ring of named barriers, the
 # fusion of a tile's last PV with the next tile's first S (into every tile, one-block ones too,
-# with three Q buffers), and the release of a Q buffer after the output store staged in it. One
-# agent per role (producer, W consumer warpgroups); per-warp arrivals are folded into one per
-# warpgroup, TMA loads land at once, stores finish reading when released. Random tile sequences
-# (0 = empty tile: no Q, no turns) under random interleavings; reports deadlocks, a pingpong
-# barrier given two arrivals before its sync, and a stage / buffer read while it holds another
-# block or tile.
+# with three Q buffers), the release of a Q buffer after the output store staged in it, and
+# clusters of two CTAs (load_kv, exchange_release). In a cluster both CTAs run the same tiles,
+# each with its own Q buffers, stages and barriers; each producer loads half of every K / V block
+# into the stage of both CTAs (TMA multicast: the half completes transaction bytes on the "full"
+# barrier of both, which expect the whole block), once its own consumers released the stage and
+# it has told the other CTA's producer so (a remote arrival on its "peer" barrier) and heard the
+# same from it. One agent per role (a producer and W consumer warpgroups per CTA); per-warp
+# arrivals are folded into one per warpgroup; a K / V load lands as an event of its own (one per
+# half and CTA in a cluster, before or after the arrival that expects it), and so does a remote
+# arrival; a Q load lands at once; stores finish reading when released. Random tile sequences
+# (0 = empty tile: no Q, no turns) under random interleavings, alone and in clusters; reports
+# deadlocks, a pingpong barrier given two arrivals before its sync, a stage / buffer read while
+# it holds another block or tile (or half a block), a K / V part landing in a stage that its
+# CTA's consumers have not all released, and a remote arrival or a landing in a CTA that has
+# exited (the kernel has no cluster barrier before exit).
 #
 #   python3 tests/gpu/v3_fwd_protocol_model.py [trials]     (prints "trials with errors: 0")
 #
 # Keep it in step with the kernel when the protocol changes. Mutations it catches: two staged Q
 # buffers with fusion into one-block tiles (deadlock; checked at the end of every run) or
-# dropping release_staged_q (deadlock), a wrong arrival count.
+# dropping release_staged_q (deadlock), a wrong arrival count; in a cluster (checked at the end of
+# every run, each by the error it must cause): no exchange, the peer arrival made in the own CTA,
+# or waiting the peer barrier with parity phase ^ 1 (a half lands in the other CTA's stage while
+# its consumers still read it: the wait passes on the word of the stage's previous use; mostly,
+# though, that mutation deadlocks at the first K, where the later producer to wait sees phase 0
+# complete already and waits for the other's next arrival, which needs its own missing half);
+# a "full" barrier that expects only the own half (a consumer reads a stage with one half landed).
 import random
 import sys
 
 class MBar:
-    def __init__(s, count): s.count, s.arrived, s.done = count, 0, 0
-    def arrive(s):
+    """A phase completes once `count` arrivals were made and every part the arrivals expect
+    (arrive_expect_tx; a part: a K / V half in a cluster, a whole block alone) has landed. A part
+    may land before the arrival that expects it (the other CTA's half): the pending arrival keeps
+    the phase open."""
+    def __init__(s, count): s.count, s.arrived, s.parts_due, s.done = count, 0, 0, 0
+    def arrive(s, expect_parts=0):
+        s.parts_due += expect_parts
         s.arrived += 1
-        if s.arrived == s.count: s.arrived, s.done = 0, s.done + 1
+        s.complete_if_due()
+    def land_part(s):
+        s.parts_due -= 1
+        s.complete_if_due()
+    def complete_if_due(s):
+        if s.arrived == s.count and s.parts_due == 0: s.arrived, s.done = 0, s.done + 1
     def ready(s, parity): return (s.done % 2) != parity
 
-def run(tiles, W, staged, seed, staged_buffers=3):
+class Stage:
+    """What a K or V stage of one CTA holds: a key block, how many of its parts have landed (one
+    per producer of the cluster), and how many consumer warpgroups are done with it."""
+    def __init__(s, W): s.block, s.parts, s.released = None, 0, W  # free: nothing to read
+
+class Cta:
+    """One CTA's barriers and buffers; `running` counts its agents that have not finished."""
+    def __init__(s, rank, W, nbuf):
+        s.rank = rank
+        s.q_full = [MBar(1) for _ in range(nbuf)]
+        s.q_empty = [MBar(W) for _ in range(nbuf)]
+        s.qbuf_content = [None] * nbuf
+        s.store_reading = [0] * nbuf  # unreleased stores reading each Q buffer
+        s.full = {kv: [MBar(1) for _ in range(2)] for kv in "KV"}
+        s.empty = {kv: [MBar(W) for _ in range(2)] for kv in "KV"}
+        s.peer = {kv: [MBar(1) for _ in range(2)] for kv in "KV"}  # used in a cluster
+        s.stage = {kv: [Stage(W) for _ in range(2)] for kv in "KV"}
+        s.ring = [0] * W  # pending arrivals per pingpong barrier
+        s.running = W + 1
+
+# Cluster mutations of the producer, each with (a part of) the error it must cause.
+CLUSTER_MUTATIONS = {
+    "no release exchange": "lands while",
+    "peer arrival in the own CTA": "lands while",
+    "peer wait parity phase ^ 1": "lands while",
+    "full barrier expects the own half only": "of 2 parts",
+}
+
+def run(tiles, W, staged, seed, staged_buffers=3, cluster=1, mutation=None):
     rnd = random.Random(seed)
     nbuf = staged_buffers if staged else 1
-    q_full = [MBar(1) for _ in range(nbuf)]
-    q_empty = [MBar(W) for _ in range(nbuf)]
-    k_full, v_full = [MBar(1) for _ in range(2)], [MBar(1) for _ in range(2)]
-    k_empty, v_empty = [MBar(W) for _ in range(2)], [MBar(W) for _ in range(2)]
-    qbuf_content, k_content, v_content = [None] * nbuf, [None] * 2, [None] * 2
-    store_reading = [0] * nbuf  # unreleased stores reading each Q buffer
-    ring = [0] * W  # pending arrivals per pingpong barrier
+    ctas = [Cta(rank, W, nbuf) for rank in range(cluster)]
+    in_flight = []  # K / V parts and remote arrivals on the way (events of their own)
     errors = []
 
-    def producer():
+    def land(cta, kv, st, block):
+        if not cta.running: errors.append(f"CTA{cta.rank}: {kv}{block} lands after its exit")
+        stage = cta.stage[kv][st]
+        if stage.block != block:
+            if stage.released < W:
+                errors.append(f"CTA{cta.rank} {kv} stage {st}: block {block} lands while block "
+                              f"{stage.block} is in use")
+            stage.block, stage.parts, stage.released = block, 0, 0
+        stage.parts += 1
+        cta.full[kv][st].land_part()
+
+    def arrive_on_peer(cta, kv, st):
+        if not cta.running: errors.append(f"CTA{cta.rank}: peer arrival after its exit")
+        cta.peer[kv][st].arrive()
+
+    def exchange_release(cta, kv, st, ph):
+        if mutation == "no release exchange": return
+        peer = cta if mutation == "peer arrival in the own CTA" else ctas[cta.rank ^ 1]
+        in_flight.append(lambda: arrive_on_peer(peer, kv, st))
+        # One arrival each way per stage use: the use's own phase, not ph ^ 1 as for "empty".
+        parity = ph ^ 1 if mutation == "peer wait parity phase ^ 1" else ph
+        yield lambda: cta.peer[kv][st].ready(parity)
+
+    def load_kv(cta, kv, st, ph, block):
+        yield lambda: cta.empty[kv][st].ready(ph ^ 1)
+        if cluster > 1: yield from exchange_release(cta, kv, st, ph)
+        own_half_only = mutation == "full barrier expects the own half only"
+        cta.full[kv][st].arrive(expect_parts=1 if own_half_only else cluster)
+        for dst in ctas:  # the multicast: this producer's part lands in every CTA
+            in_flight.append(lambda dst=dst: land(dst, kv, st, block))
+
+    def producer(cta):
         bc = qc = 0
         for ti, nblocks in enumerate(tiles):
             if nblocks == 0: continue
             qb, qph = qc % nbuf, (qc // nbuf) & 1
             qc += 1
             def load_q():
-                yield lambda: q_empty[qb].ready(qph ^ 1)
-                if store_reading[qb]: errors.append(f"Q{ti} overwrites buffer {qb} under a store")
-                qbuf_content[qb] = ti; q_full[qb].arrive()
+                yield lambda: cta.q_empty[qb].ready(qph ^ 1)
+                if cta.store_reading[qb]:
+                    errors.append(f"CTA{cta.rank}: Q{ti} overwrites buffer {qb} under a store")
+                cta.qbuf_content[qb] = ti; cta.q_full[qb].arrive()
             if staged: yield from load_q()
             for j in range(nblocks):
                 st, ph = bc % 2, (bc // 2) & 1
-                yield lambda: k_empty[st].ready(ph ^ 1)
-                k_content[st] = bc; k_full[st].arrive()
+                yield from load_kv(cta, "K", st, ph, bc)
                 if not staged and j == 0: yield from load_q()
-                yield lambda: v_empty[st].ready(ph ^ 1)
-                v_content[st] = bc; v_full[st].arrive()
+                yield from load_kv(cta, "V", st, ph, bc)
                 bc += 1
 
-    def consumer(w):
+    def consumer(cta, w):
+        ring = cta.ring
         if w == W - 1: ring[0] += 1
         c = dict(bc=0, qc=0, unreleased=-1)
         pending = [None]
@@ -64,75 +143,99 @@ def run(tiles, W, staged, seed, staged_buffers=3):
             ring[w] -= 1
             nxt = (w + 1) % W
             ring[nxt] += 1
-            if ring[nxt] > 1: errors.append(f"barrier {nxt} got two arrivals")
-        def release():
+            if ring[nxt] > 1: errors.append(f"CTA{cta.rank} barrier {nxt} got two arrivals")
+        def release_staged_q():
             if c['unreleased'] >= 0:
-                store_reading[c['unreleased']] -= 1; q_empty[c['unreleased']].arrive()
+                cta.store_reading[c['unreleased']] -= 1; cta.q_empty[c['unreleased']].arrive()
                 c['unreleased'] = -1
         def write_output(buf):
             if staged:
-                store_reading[buf] += 1; c['unreleased'] = buf
-        def take_v(block):
+                cta.store_reading[buf] += 1; c['unreleased'] = buf
+        def take(kv, block):
             st = block % 2
-            yield lambda: v_full[st].ready((block // 2) & 1)
-            if v_content[st] != block:
-                errors.append(f"wg{w} V stage {st} holds {v_content[st]}, wants {block}")
+            yield lambda: cta.full[kv][st].ready((block // 2) & 1)
+            stage = cta.stage[kv][st]
+            if stage.block != block or stage.parts != cluster:
+                errors.append(f"CTA{cta.rank} wg{w} {kv} stage {st} holds block {stage.block} "
+                              f"({stage.parts} of {cluster} parts), wants {block}")
+        def release(kv, block):
+            cta.stage[kv][block % 2].released += 1
+            cta.empty[kv][block % 2].arrive()
         def last_pv_alone():
-            yield from take_v(c['bc'] - 1)
+            yield from take("V", c['bc'] - 1)
             yield from turn()
-            v_empty[(c['bc'] - 1) % 2].arrive()
+            release("V", c['bc'] - 1)
             write_output(pending[0]); pending[0] = None
         for ti, nblocks in enumerate(tiles):
             if nblocks == 0: continue
             fuse = staged and pending[0] is not None
             qb = c['qc'] % nbuf
-            yield lambda: q_full[qb].ready((c['qc'] // nbuf) & 1)
-            if qbuf_content[qb] != ti:
-                errors.append(f"wg{w} Q buffer {qb} holds {qbuf_content[qb]}, wants {ti}")
+            yield lambda: cta.q_full[qb].ready((c['qc'] // nbuf) & 1)
+            if cta.qbuf_content[qb] != ti:
+                errors.append(f"CTA{cta.rank} wg{w} Q buffer {qb} holds {cta.qbuf_content[qb]}, "
+                              f"wants {ti}")
             c['qc'] += 1
             for j in range(nblocks):
-                bc = c['bc']; st = bc % 2
-                yield lambda: k_full[st].ready((bc // 2) & 1)
-                if k_content[st] != bc:
-                    errors.append(f"wg{w} K stage {st} holds {k_content[st]}, wants {bc}")
+                bc = c['bc']
+                yield from take("K", bc)
                 with_pv = j > 0 or fuse
-                if with_pv: yield from take_v(bc - 1)
+                if with_pv: yield from take("V", bc - 1)
                 yield from turn()
-                release()
-                if qbuf_content[qb] != ti:
-                    errors.append(f"wg{w} S reads Q buffer {qb} holding {qbuf_content[qb]}")
-                k_empty[st].arrive()
-                if not staged and j == nblocks - 1: q_empty[0].arrive()
-                if with_pv: v_empty[(bc - 1) % 2].arrive()
+                release_staged_q()
+                if cta.qbuf_content[qb] != ti:
+                    errors.append(f"CTA{cta.rank} wg{w} S reads Q buffer {qb} holding "
+                                  f"{cta.qbuf_content[qb]}")
+                release("K", bc)
+                if not staged and j == nblocks - 1: cta.q_empty[0].arrive()
+                if with_pv: release("V", bc - 1)
                 if j == 0 and fuse: write_output(pending[0])
                 c['bc'] += 1
             pending[0] = qb
             if not staged: yield from last_pv_alone()
         if pending[0] is not None: yield from last_pv_alone()
 
-    agents = [producer()] + [consumer(w) for w in range(W)]
+    agents = [(cta, producer(cta)) for cta in ctas]
+    agents += [(cta, consumer(cta, w)) for cta in ctas for w in range(W)]
     conds = [None] * len(agents)
     alive = list(range(len(agents)))
-    while alive:
+    while alive or in_flight:
         runnable = [i for i in alive if conds[i] is None or conds[i]()]
-        if not runnable:
+        if not runnable and not in_flight:
             return errors + ["DEADLOCK"]
-        i = rnd.choice(runnable)
+        pick = rnd.randrange(len(runnable) + len(in_flight))
+        if pick >= len(runnable):
+            in_flight.pop(pick - len(runnable))()
+            continue
+        i = runnable[pick]
+        cta, agent = agents[i]
         try:
-            conds[i] = next(agents[i])
+            conds[i] = next(agent)
         except StopIteration:
             alive.remove(i)
+            cta.running -= 1
     return errors
+
+def random_case(trial):
+    r = random.Random(trial)
+    tiles = [r.choice([0, 1, 1, 2, 3, 5]) for _ in range(r.randint(1, 9))]
+    return tiles, r.choice([2, 3]), r.choice([True, False])
+
+def first_symptom(mutation, symptom, trials=1000):
+    """The first (trial, error) of random cluster trials under `mutation` that shows `symptom`."""
+    for trial in range(trials):
+        tiles, W, staged = random_case(trial)
+        for error in run(tiles, W, staged, trial, cluster=2, mutation=mutation):
+            if symptom in error: return trial, error
+    return None
 
 bad = 0
 for trial in range(int(sys.argv[1]) if len(sys.argv) > 1 else 20000):
-    r = random.Random(trial)
-    tiles = [r.choice([0, 1, 1, 2, 3, 5]) for _ in range(r.randint(1, 9))]
-    W, staged = r.choice([2, 3]), r.choice([True, False])
-    errs = run(tiles, W, staged, trial)
+    tiles, W, staged = random_case(trial)
+    cluster = 1 + trial % 2  # half the trials alone, half in clusters of two
+    errs = run(tiles, W, staged, trial, cluster=cluster)
     if errs:
         bad += 1
-        if bad < 5: print(trial, tiles, W, staged, errs[:3])
+        if bad < 5: print(trial, tiles, W, staged, cluster, errs[:3])
 print("trials with errors:", bad)
 # The reason for the third buffer: with two, a one-block tile that takes the previous tile's PV
 # leaves its store unreleased until the next tile's first issue, which waits for a Q that the
@@ -140,4 +243,11 @@ print("trials with errors:", bad)
 two_buffers_deadlock = "DEADLOCK" in run([2, 1, 2], 2, True, 0, staged_buffers=2)
 print("two staged buffers, fused one-block tile:", "deadlock (as expected)" if two_buffers_deadlock
       else "NO DEADLOCK: the model no longer shows why three buffers are needed")
-sys.exit(1 if bad or not two_buffers_deadlock else 0)
+# The cluster protocol's parts, each shown necessary by the error its mutation causes.
+mutations_missed = 0
+for mutation, symptom in CLUSTER_MUTATIONS.items():
+    found = first_symptom(mutation, symptom)
+    if found is None: mutations_missed += 1
+    print(f"cluster, {mutation}:", f"trial {found[0]}: {found[1]}" if found
+          else f"NOT CAUGHT: no \"{symptom}\" error")
+sys.exit(1 if bad or not two_buffers_deadlock or mutations_missed else 0)
