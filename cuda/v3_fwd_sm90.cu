@@ -28,10 +28,9 @@
 //     the same for every k (longest first), so that the static assignment balances. Units are
 //     grouped by heads whose K / V fit in L2.
 //   * clusters of two CTAs (where both m-blocks of a pair visit the same key blocks: no causal
-//     mask or window): the pair runs two m-blocks of one head side by side;
-//     each CTA loads half of every K / V block into both with TMA multicast, and a stage is free
-//     once the consumers of both CTAs released it (exchange_release). Half the K / V traffic
-//     from L2 per CTA.
+//     mask or window): the pair runs two m-blocks of one head side by side; each CTA loads half
+//     of every K / V block into both with TMA multicast, and a stage is free once the consumers
+//     of both CTAs released it (exchange_release). Half the K / V traffic from L2 per CTA.
 //
 // Tiles (kBlockM x kBlockN): head dim 64: 128 x 128, or 192 x 128 (three consumer warpgroups)
 // on long sequences; 128: 128 x 128, or 128 x 192 on long ones; 256: 128 x 80. Two K / V
@@ -330,6 +329,15 @@ __device__ __forceinline__ void exchange_release(uint32_t peer_bar, uint32_t pha
   }
 }
 
+// Waits until K / V stage `stage` is free for its use with phase `phase` (in a cluster: in both
+// CTAs, exchange_release).
+template <class Cfg>
+__device__ __forceinline__ void acquire_stage(uint32_t empty_bar, uint32_t peer_bar,
+                                              uint32_t phase) {
+  mbarrier_wait(empty_bar, phase ^ 1);
+  exchange_release<Cfg>(peer_bar, phase);
+}
+
 // Streams one tile's Q and its K_j, V_j (j from the last key block down). q_count: non-empty
 // tiles so far, which selects the Q buffer and its phase.
 template <class Cfg>
@@ -358,8 +366,7 @@ __device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uin
     const uint32_t k_dst = smem + Cfg::kKOffset + stage * Cfg::kKVBytes;
     const uint32_t v_dst = smem + Cfg::kVOffset + stage * Cfg::kKVBytes;
 
-    mbarrier_wait(bars.k_empty + 8 * stage, phase ^ 1);
-    exchange_release<Cfg>(bars.k_peer + 8 * stage, phase);
+    acquire_stage<Cfg>(bars.k_empty + 8 * stage, bars.k_peer + 8 * stage, phase);
     mbarrier_arrive_expect_tx(bars.k_full + 8 * stage, Cfg::kKVBytes);
     load_kv<Cfg>(&p.tma_k, k_dst, bars.k_full + 8 * stage, nb, kv_head, t.batch);
     // One buffer: Q waits until every consumer warp released the last tile's, so the first K
@@ -367,8 +374,7 @@ __device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uin
     if constexpr (Cfg::kQBuffers == 1) {
       if (nb == t.n_max - 1) load_q();
     }
-    mbarrier_wait(bars.v_empty + 8 * stage, phase ^ 1);
-    exchange_release<Cfg>(bars.v_peer + 8 * stage, phase);
+    acquire_stage<Cfg>(bars.v_empty + 8 * stage, bars.v_peer + 8 * stage, phase);
     mbarrier_arrive_expect_tx(bars.v_full + 8 * stage, Cfg::kKVBytes);
     load_kv<Cfg>(&p.tma_v, v_dst, bars.v_full + 8 * stage, nb, kv_head, t.batch);
     TIMELINE_TILE_EVENT(q_count - 1, kFirstKvIssued, nb == t.n_max - 1);
@@ -391,6 +397,17 @@ __device__ void run_producer(const Params& p, uint32_t smem, BarrierAddresses ba
       Tile t;
       if (!decode_tile<Cfg>(p, unit, second, t)) break;
       if (!t.empty()) produce_tile<Cfg>(p, t, smem, bars, block_count, q_count);
+    }
+  }
+  // In a cluster, this CTA exits only once every stage is free in both CTAs: the consumers of
+  // both have then read every block, so each half this CTA multicast into the other CTA has
+  // landed (nothing else waits for those copies here before the exit).
+  if constexpr (Cfg::kClusterSize > 1) {
+    for (int use = 0; use < Cfg::kStages; ++use, ++block_count) {
+      const int stage = block_count % Cfg::kStages;
+      const uint32_t phase = (block_count / Cfg::kStages) & 1;
+      acquire_stage<Cfg>(bars.k_empty + 8 * stage, bars.k_peer + 8 * stage, phase);
+      acquire_stage<Cfg>(bars.v_empty + 8 * stage, bars.v_peer + 8 * stage, phase);
     }
   }
 }
@@ -985,8 +1002,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
     run_consumer<Cfg>(p, smem, bars, warpgroup - 1);
   }
   // No cluster barrier before exit: every remote operation into the other CTA is waited for
-  // there before it can finish (its producer waits for each peer arrival, its consumers for
-  // each multicast block). One here made ptxas spill 76 bytes in the head dim 256 consumers.
+  // (its producer waits for each peer arrival, run_producer's last exchange for the consumers
+  // of both to have read each multicast block). One here made ptxas spill 76 bytes in the head
+  // dim 256 consumers.
 }
 
 // ------------------------------------------------------------------------------------------

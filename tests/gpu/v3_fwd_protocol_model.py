@@ -14,8 +14,9 @@
 # (0 = empty tile: no Q, no turns) under random interleavings, alone and in clusters; reports
 # deadlocks, a pingpong barrier given two arrivals before its sync, a stage / buffer read while
 # it holds another block or tile (or half a block), a K / V part landing in a stage that its
-# CTA's consumers have not all released, and a remote arrival or a landing in a CTA that has
-# exited (the kernel has no cluster barrier before exit).
+# CTA's consumers have not all released, a remote arrival or a landing in a CTA that has
+# exited, and a landing of a part whose issuing CTA has exited (the kernel has no cluster
+# barrier before exit: each producer ends with one more exchange per stage, run_producer).
 #
 #   python3 tests/gpu/v3_fwd_protocol_model.py [trials]     (prints "trials with errors: 0")
 #
@@ -27,7 +28,8 @@
 # its consumers still read it: the wait passes on the word of the stage's previous use; mostly,
 # though, that mutation deadlocks at the first K, where the later producer to wait sees phase 0
 # complete already and waits for the other's next arrival, which needs its own missing half);
-# a "full" barrier that expects only the own half (a consumer reads a stage with one half landed).
+# a "full" barrier that expects only the own half (a consumer reads a stage with one half landed);
+# no final exchange in the producer (a CTA exits with its half still on the way to the other).
 import random
 import sys
 
@@ -74,6 +76,7 @@ CLUSTER_MUTATIONS = {
     "peer arrival in the own CTA": "lands while",
     "peer wait parity phase ^ 1": "lands while",
     "full barrier expects the own half only": "of 2 parts",
+    "no final exchange": "after its issuer's exit",
 }
 
 def run(tiles, W, staged, seed, staged_buffers=3, cluster=1, mutation=None):
@@ -83,8 +86,10 @@ def run(tiles, W, staged, seed, staged_buffers=3, cluster=1, mutation=None):
     in_flight = []  # K / V parts and remote arrivals on the way (events of their own)
     errors = []
 
-    def land(cta, kv, st, block):
+    def land(cta, kv, st, block, issuer):
         if not cta.running: errors.append(f"CTA{cta.rank}: {kv}{block} lands after its exit")
+        if not issuer.running:
+            errors.append(f"CTA{cta.rank}: {kv}{block} lands after its issuer's exit")
         stage = cta.stage[kv][st]
         if stage.block != block:
             if stage.released < W:
@@ -106,13 +111,16 @@ def run(tiles, W, staged, seed, staged_buffers=3, cluster=1, mutation=None):
         parity = ph ^ 1 if mutation == "peer wait parity phase ^ 1" else ph
         yield lambda: cta.peer[kv][st].ready(parity)
 
-    def load_kv(cta, kv, st, ph, block):
+    def acquire_stage(cta, kv, st, ph):
         yield lambda: cta.empty[kv][st].ready(ph ^ 1)
         if cluster > 1: yield from exchange_release(cta, kv, st, ph)
+
+    def load_kv(cta, kv, st, ph, block):
+        yield from acquire_stage(cta, kv, st, ph)
         own_half_only = mutation == "full barrier expects the own half only"
         cta.full[kv][st].arrive(expect_parts=1 if own_half_only else cluster)
         for dst in ctas:  # the multicast: this producer's part lands in every CTA
-            in_flight.append(lambda dst=dst: land(dst, kv, st, block))
+            in_flight.append(lambda dst=dst: land(dst, kv, st, block, cta))
 
     def producer(cta):
         bc = qc = 0
@@ -131,6 +139,13 @@ def run(tiles, W, staged, seed, staged_buffers=3, cluster=1, mutation=None):
                 yield from load_kv(cta, "K", st, ph, bc)
                 if not staged and j == 0: yield from load_q()
                 yield from load_kv(cta, "V", st, ph, bc)
+                bc += 1
+        # In a cluster, every stage free in both CTAs before the exit: all halves have landed.
+        if cluster > 1 and mutation != "no final exchange":
+            for _ in range(2):
+                st, ph = bc % 2, (bc // 2) & 1
+                yield from acquire_stage(cta, "K", st, ph)
+                yield from acquire_stage(cta, "V", st, ph)
                 bc += 1
 
     def consumer(cta, w):
