@@ -329,8 +329,9 @@ __device__ __forceinline__ void exchange_release(uint32_t peer_bar, uint32_t pha
   }
 }
 
-// Waits until K / V stage `stage` is free for its use with phase `phase` (in a cluster: in both
-// CTAs, exchange_release).
+// Waits until a K or V stage (its "empty" and "peer" barriers) is free for its use with phase
+// `phase`: read by this CTA's consumers, and in a cluster by the other CTA's too
+// (exchange_release).
 template <class Cfg>
 __device__ __forceinline__ void acquire_stage(uint32_t empty_bar, uint32_t peer_bar,
                                               uint32_t phase) {
