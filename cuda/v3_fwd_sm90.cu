@@ -298,6 +298,12 @@ __device__ bool decode_tile(const Params& p, int unit, bool second, Tile& t) {
 // Producer: one thread streams Q, then K_j and V_j for j from the last key block down
 // ------------------------------------------------------------------------------------------
 
+// The mbarrier phase of the K / V stage that holds the block'th key block (counted over tiles).
+template <class Cfg>
+__device__ __forceinline__ uint32_t block_phase(int block) {
+  return uint32_t(block / Cfg::kStages) & 1;
+}
+
 // Key block nb of K or V into `dst`, signalling `bar`. In a cluster of two, this CTA loads its
 // half of the block's rows into both CTAs, whose `bar` each expect the whole block.
 template <class Cfg>
@@ -363,7 +369,7 @@ __device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uin
   if constexpr (Cfg::kQBuffers > 1) load_q();
   for (int nb = t.n_max - 1; nb >= t.n_min; --nb, ++block_count) {
     const int stage = block_count % Cfg::kStages;
-    const uint32_t phase = (block_count / Cfg::kStages) & 1;
+    const uint32_t phase = block_phase<Cfg>(block_count);
     const uint32_t k_dst = smem + Cfg::kKOffset + stage * Cfg::kKVBytes;
     const uint32_t v_dst = smem + Cfg::kVOffset + stage * Cfg::kKVBytes;
 
@@ -406,7 +412,7 @@ __device__ void run_producer(const Params& p, uint32_t smem, BarrierAddresses ba
   if constexpr (Cfg::kClusterSize > 1) {
     for (int use = 0; use < Cfg::kStages; ++use, ++block_count) {
       const int stage = block_count % Cfg::kStages;
-      const uint32_t phase = (block_count / Cfg::kStages) & 1;
+      const uint32_t phase = block_phase<Cfg>(block_count);
       acquire_stage<Cfg>(bars.k_empty + 8 * stage, bars.k_peer + 8 * stage, phase);
       acquire_stage<Cfg>(bars.v_empty + 8 * stage, bars.v_peer + 8 * stage, phase);
     }
@@ -668,11 +674,6 @@ __device__ __forceinline__ uint32_t k_tile(uint32_t smem, int stage) {
 template <class Cfg>
 __device__ __forceinline__ uint32_t v_tile(uint32_t smem, int stage) {
   return smem + Cfg::kVOffset + stage * Cfg::kKVBytes;
-}
-// The mbarrier phase of the K / V stage that holds the block'th key block (counted over tiles).
-template <class Cfg>
-__device__ __forceinline__ uint32_t block_phase(int block) {
-  return uint32_t(block / Cfg::kStages) & 1;
 }
 
 // The output of this warpgroup's 64 rows (in its rows of the tile's Q buffer, which no S GEMM
