@@ -303,7 +303,8 @@ struct GmmaDescriptor {
 
 // The CUTLASS wgmma instruction wrappers for an m64nNk16 product with fp32 accumulators, by
 // element type and width N: SS<major of A, major of B> reads both operands from shared memory
-// (K-major both unless said), RS reads A from registers and B MN-major from shared memory.
+// (K-major both unless said), RS reads A from registers and B MN-major from shared memory, RSK
+// A from registers and B K-major.
 template <typename Element, int N>
 struct Gmma;
 #define JAX_FLASH_V3_GMMA(ELEMENT, TAG, N)                                                 \
@@ -312,6 +313,7 @@ struct Gmma;
     template <gmma::Major kMajorA = gmma::Major::K, gmma::Major kMajorB = gmma::Major::K>  \
     using SS = gmma::MMA_64x##N##x16_F32##TAG##TAG##_SS<kMajorA, kMajorB>;                \
     using RS = gmma::MMA_64x##N##x16_F32##TAG##TAG##_RS<gmma::Major::K, gmma::Major::MN>; \
+    using RSK = gmma::MMA_64x##N##x16_F32##TAG##TAG##_RS<gmma::Major::K, gmma::Major::K>; \
   };
 #define JAX_FLASH_V3_GMMA_WIDTHS(ELEMENT, TAG) \
   JAX_FLASH_V3_GMMA(ELEMENT, TAG, 32)          \
@@ -333,8 +335,9 @@ __device__ __forceinline__ void gmma_ss(uint64_t a, uint64_t b, float (&d)[N],
 
 template <class Op, int N, size_t... I>
 __device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t b, float (&d)[N],
-                                        std::index_sequence<I...>) {
-  Op::fma(a[0], a[1], a[2], a[3], b, d[I]..., gmma::ScaleOut::One);
+                                        std::index_sequence<I...>,
+                                        gmma::ScaleOut scale_d = gmma::ScaleOut::One) {
+  Op::fma(a[0], a[1], a[2], a[3], b, d[I]..., scale_d);
 }
 
 // acc = A Bᵀ over kHeadDim, both operands K-major in 64-column slabs of 128-byte rows: a and b
@@ -362,6 +365,19 @@ __device__ __forceinline__ void gemm_rs_mnmajor(const uint32_t (&a)[kSteps][4], 
   for (int kk = 0; kk < kSteps; ++kk) {
     const uint64_t b = mnmajor_descriptor(b_tile + mnmajor_step_bytes(kk), b_slab_bytes);
     gmma_rs<Op>(a[kk], b, acc, idx);
+  }
+}
+
+// acc = A Bᵀ with A in registers (kSteps fragments of 16 columns each) and B K-major in 64-column
+// slabs of 128-byte rows: b describes its first k-step, kBSlabBytes step one slab.
+template <class Op, int kSteps, uint32_t kBSlabBytes, int kAcc>
+__device__ __forceinline__ void gemm_rs_kmajor(const uint32_t (&a)[kSteps][4], GmmaDescriptor b,
+                                               float (&acc)[kAcc]) {
+  constexpr auto idx = std::make_index_sequence<kAcc>{};
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    gmma_rs<Op>(a[kk], b.bits, acc, idx, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
+    b = b.next_kmajor_step(kk, kBSlabBytes);
   }
 }
 
@@ -401,26 +417,52 @@ __device__ __forceinline__ void accumulator_to_fragments(const float (&x)[kSteps
     for (int j = 0; j < 4; ++j) a[kk][j] = pack2<Element>(x[8 * kk + 2 * j], x[8 * kk + 2 * j + 1]);
 }
 
-// A warp's 16 rows of such fragments -> shared memory in the layout that TMA loads and stores
+// A warp's 16 rows of such fragments in shared memory, in the layout that TMA loads and stores
 // with the 128-byte swizzle: 128-byte rows in 64-column slabs `slab_bytes` apart, 16-byte chunk
 // c of row r at chunk c ^ (r % 8) (`tile` 1024-byte aligned). Fragment kk holds columns
-// column0 + 16 kk .. + 15 of rows warp_row0 .. + 15. One stmatrix.x4 per fragment: register j
-// is the 8 x 8 matrix of rows + 8 (j % 2), columns + 8 (j / 2), and lane l gives the address of
-// row l % 8 of matrix l / 8; each matrix's 8 rows land in 8 distinct 16-byte bank groups.
+// column0 + 16 kk .. + 15 of rows warp_row0 .. + 15. One stmatrix / ldmatrix .x4 per fragment:
+// register j is the 8 x 8 matrix of rows + 8 (j % 2), columns + 8 (j / 2), and lane l gives the
+// address of row l % 8 of matrix l / 8 (this function); each matrix's 8 rows sit in 8 distinct
+// 16-byte bank groups.
+__device__ __forceinline__ uint32_t swizzled_fragment_address(uint32_t tile, uint32_t slab_bytes,
+                                                              int warp_row0, int column0,
+                                                              int lane_in_warp, int kk) {
+  const int matrix = lane_in_warp / 8;
+  const int row = warp_row0 + 8 * (matrix % 2) + lane_in_warp % 8;
+  const int column = column0 + 16 * kk + 8 * (matrix / 2);
+  const int slab = column / 64, chunk = (column % 64) / 8;
+  return tile + slab * slab_bytes + row * 128 + ((chunk ^ (row % 8)) * 16);
+}
+
+// Fragments -> shared memory (stmatrix).
 template <int kSteps>
 __device__ __forceinline__ void store_fragments_swizzled(uint32_t tile, uint32_t slab_bytes,
                                                          int warp_row0, int column0,
                                                          int lane_in_warp,
                                                          const uint32_t (&a)[kSteps][4]) {
-  const int matrix = lane_in_warp / 8;
-  const int row = warp_row0 + 8 * (matrix % 2) + lane_in_warp % 8;
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
-    const int column = column0 + 16 * kk + 8 * (matrix / 2);
-    const int slab = column / 64, chunk = (column % 64) / 8;
-    const uint32_t dst = tile + slab * slab_bytes + row * 128 + ((chunk ^ (row % 8)) * 16);
+    const uint32_t dst =
+        swizzled_fragment_address(tile, slab_bytes, warp_row0, column0, lane_in_warp, kk);
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(dst),
                  "r"(a[kk][0]), "r"(a[kk][1]), "r"(a[kk][2]), "r"(a[kk][3])
+                 : "memory");
+  }
+}
+
+// Shared memory -> fragments (ldmatrix), the inverse of store_fragments_swizzled.
+template <int kSteps>
+__device__ __forceinline__ void load_fragments_swizzled(uint32_t tile, uint32_t slab_bytes,
+                                                        int warp_row0, int column0,
+                                                        int lane_in_warp,
+                                                        uint32_t (&a)[kSteps][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    const uint32_t src =
+        swizzled_fragment_address(tile, slab_bytes, warp_row0, column0, lane_in_warp, kk);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a[kk][0]), "=r"(a[kk][1]), "=r"(a[kk][2]), "=r"(a[kk][3])
+                 : "r"(src)
                  : "memory");
   }
 }

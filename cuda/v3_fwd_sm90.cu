@@ -6,7 +6,9 @@
 //                    a kStages-deep shared-memory ring; every buffer has a "full" mbarrier (TMA
 //                    transaction bytes) and an "empty" mbarrier (consumers are done reading).
 //   warpgroups 1..W  consumers: each owns 64 rows of the kBlockM-row Q tile. S = Q K^T runs as
-//                    wgmma with both operands in shared memory; O += P V as wgmma with P from
+//                    wgmma with K in shared memory and Q in registers (loaded once per tile with
+//                    ldmatrix; in shared memory too where the registers do not fit: head dim
+//                    256, the 192-row and 192-key tiles); O += P V as wgmma with P from
 //                    registers (the fp32 accumulator layout of S is the register A layout of the
 //                    PV product, so P needs no shuffles) and V read transposed from shared memory.
 //
@@ -85,6 +87,14 @@ struct Config {
   // of every K / V block into both (TMA multicast): half the K / V reads from L2 per CTA.
   static constexpr int kClusterSize = kClusterSize_;
   static constexpr int kKVBoxRows = kBlockN / kClusterSize;  // rows of one K / V load
+  // Each consumer warpgroup loads its 64 Q rows into registers once per tile (ldmatrix), and
+  // the S GEMM reads A from there instead of shared memory: the Q share of the tensor cores'
+  // shared-memory reads (a third of the S GEMM's) goes away. Where the H / 4 registers fit:
+  // measured -3.8% at head dim 64 T = 1024, -0..-1.5% elsewhere; the 192-row tile spilled 144
+  // bytes with them (docs/perf-notes-v3.md, session 16).
+  static constexpr bool kQInRegisters =
+      kConsumerWarpgroups == 2 && kHeadDim <= 128 && kBlockN <= 128;
+  static constexpr int kQFragments = kQInRegisters ? kHeadDim / 16 : 1;  // 1: unused
   // mbarriers per stage: K and V "full" and "empty", and in a cluster "peer" (exchange_release)
   static constexpr int kStageBarriers = kClusterSize > 1 ? 6 : 4;
 
@@ -221,13 +231,21 @@ __device__ __forceinline__ float exp2_fma(float x) {
 // The GEMMs of one consumer warpgroup (wrappers and descriptors: hopper.cuh)
 // ------------------------------------------------------------------------------------------
 
-// s = Q_w K^T for this warpgroup's 64 rows (q_rows: address of row 0 of the warpgroup in slab 0).
+// s = Q_w K^T for this warpgroup's 64 rows: Q from the registers qa (kQInRegisters), else from
+// shared memory at q_rows (row 0 of the warpgroup in slab 0).
 template <class Cfg>
-__device__ __forceinline__ void issue_qk(uint32_t q_rows, uint32_t k_tile,
-                                         float (&s)[Cfg::kBlockN / 2]) {
-  using Op = typename Gmma<typename Cfg::Element, Cfg::kBlockN>::template SS<>;
-  gemm_ss_kmajor<Op, Cfg::kHeadDim, Cfg::kBlockM * 128, Cfg::kBlockN * 128>(
-      GmmaDescriptor::kmajor(q_rows), GmmaDescriptor::kmajor(k_tile), s);
+__device__ __forceinline__ void issue_qk(uint32_t q_rows,
+                                         const uint32_t (&qa)[Cfg::kQFragments][4],
+                                         uint32_t k_tile, float (&s)[Cfg::kBlockN / 2]) {
+  if constexpr (Cfg::kQInRegisters) {
+    using Op = typename Gmma<typename Cfg::Element, Cfg::kBlockN>::RSK;
+    gemm_rs_kmajor<Op, Cfg::kQFragments, Cfg::kBlockN * 128>(qa, GmmaDescriptor::kmajor(k_tile),
+                                                              s);
+  } else {
+    using Op = typename Gmma<typename Cfg::Element, Cfg::kBlockN>::template SS<>;
+    gemm_ss_kmajor<Op, Cfg::kHeadDim, Cfg::kBlockM * 128, Cfg::kBlockN * 128>(
+        GmmaDescriptor::kmajor(q_rows), GmmaDescriptor::kmajor(k_tile), s);
+  }
 }
 
 // o += P V with P in registers (the A fragments of 16-column steps) and V MN-major.
@@ -816,7 +834,8 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
                                              PendingTile& pending,
                                              float (&o)[Cfg::kHeadDim / 2],
                                              float (&s)[Cfg::kBlockN / 2],
-                                             uint32_t (&pa)[Cfg::kBlockN / 16][4]) {
+                                             uint32_t (&pa)[Cfg::kBlockN / 16][4],
+                                             uint32_t (&qa)[Cfg::kQFragments][4]) {
   constexpr int kStages = Cfg::kStages;
   const int row_lo = t.m_block * Cfg::kBlockM + c.warpgroup * 64;  // this warpgroup's rows
   const int q_buffer = c.q_count % Cfg::kQBuffers;
@@ -826,6 +845,10 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
   TIMELINE_CONSUMER_EVENT(c, c.q_count, kQWait);
   mbarrier_wait(bars.q_full + 8 * q_buffer, (c.q_count / Cfg::kQBuffers) & 1);
   TIMELINE_CONSUMER_EVENT(c, c.q_count, kQFull);
+  if constexpr (Cfg::kQInRegisters) {
+    load_fragments_swizzled(q_rows, Cfg::kBlockM * 128, c.lane.row0 & ~15, 0, threadIdx.x % 32,
+                            qa);
+  }
   ++c.q_count;
   RowStats st = {{-INFINITY, -INFINITY}, {0.f, 0.f}};
   float o_scale[2];
@@ -845,7 +868,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
       if constexpr (kFused) {
         TIMELINE_CONSUMER_EVENT(c, c.q_count - 2, kLastPvTurn);
       }
-      issue_qk<Cfg>(q_rows, k_tile<Cfg>(smem, stage), s);
+      issue_qk<Cfg>(q_rows, qa, k_tile<Cfg>(smem, stage), s);
       wgmma_commit();
       if constexpr (kFused) {
         issue_pv<Cfg>(pa, v_tile<Cfg>(smem, prev), o);
@@ -885,7 +908,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     mbarrier_wait(bars.k_full + 8 * stage, block_phase<Cfg>(c.block_count));
     mbarrier_wait(bars.v_full + 8 * prev, block_phase<Cfg>(c.block_count - 1));
     issue_in_turn(c, [&] {
-      issue_qk<Cfg>(q_rows, k_tile<Cfg>(smem, stage), s);
+      issue_qk<Cfg>(q_rows, qa, k_tile<Cfg>(smem, stage), s);
       wgmma_commit();
       issue_pv<Cfg>(pa, v_tile<Cfg>(smem, prev), o);
       wgmma_commit();
@@ -933,6 +956,7 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
   float o[Cfg::kHeadDim / 2];
   float s[Cfg::kBlockN / 2];
   uint32_t pa[Cfg::kBlockN / 16][4];
+  uint32_t qa[Cfg::kQFragments][4];
   PendingTile pending;
   pending.valid = false;
   for (int unit = blockIdx.x; unit < p.num_units; unit += gridDim.x) {
@@ -948,7 +972,7 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
         store_output<Cfg>(p, finish_tile<Cfg>(p, t, row_lo, c.lane, none, 0), c.lane, zero);
         continue;
       }
-      consume_tile<Cfg>(p, t, smem, bars, c, pending, o, s, pa);
+      consume_tile<Cfg>(p, t, smem, bars, c, pending, o, s, pa, qa);
     }
   }
   if (pending.valid) last_pv_alone<Cfg>(p, smem, bars, c, o, pa, [&] { return pending.f; });
