@@ -450,21 +450,24 @@ __device__ __forceinline__ void shape_scores(float (&s)[Cfg::kBlockN / 2], const
     for (int i = 0; i < Cfg::kBlockN / 2; ++i) s[i] = p.softcap * tanh_mufu(s[i] * p.softcap_inv);
   }
   if (!masked) return;
-  // Each row keeps one interval of columns [lo, hi] (empty past the valid query rows).
+  // Each row keeps one interval of columns [lo, hi] (empty past the valid query rows), here
+  // relative to `col`, so that every element compares its compile-time offset (no per-column
+  // add).
   int lo[2], hi[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int q = row + 8 * r;
-    hi[r] = t.kv_cols - 1;
-    if (p.window_right >= 0) hi[r] = min(hi[r], q + p.window_right);
-    if (q >= t.q_rows) hi[r] = -1;
-    lo[r] = p.window_left >= 0 ? q - p.window_left : 0;
+    int last = t.kv_cols - 1;
+    if (p.window_right >= 0) last = min(last, q + p.window_right);
+    if (q >= t.q_rows) last = -1;
+    hi[r] = last - col;
+    lo[r] = (p.window_left >= 0 ? max(0, q - p.window_left) : 0) - col;
   }
 #pragma unroll
   for (int i = 0; i < Cfg::kBlockN / 2; ++i) {
     const int r = (i / 2) % 2;
-    const int c = col + 8 * (i / 4) + i % 2;
-    s[i] = (c >= lo[r]) & (c <= hi[r]) ? s[i] : -INFINITY;
+    const int offset = 8 * (i / 4) + i % 2;
+    s[i] = (offset >= lo[r]) & (offset <= hi[r]) ? s[i] : -INFINITY;
   }
 }
 
