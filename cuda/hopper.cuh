@@ -422,17 +422,21 @@ __device__ __forceinline__ void accumulator_to_fragments(const float (&x)[kSteps
 // c of row r at chunk c ^ (r % 8) (`tile` 1024-byte aligned). Fragment kk holds columns
 // column0 + 16 kk .. + 15 of rows warp_row0 .. + 15. One stmatrix / ldmatrix .x4 per fragment:
 // register j is the 8 x 8 matrix of rows + 8 (j % 2), columns + 8 (j / 2), and lane l gives the
-// address of row l % 8 of matrix l / 8 (this function); each matrix's 8 rows sit in 8 distinct
-// 16-byte bank groups.
-__device__ __forceinline__ uint32_t swizzled_fragment_address(uint32_t tile, uint32_t slab_bytes,
-                                                              int warp_row0, int column0,
-                                                              int lane_in_warp, int kk) {
-  const int matrix = lane_in_warp / 8;
-  const int row = warp_row0 + 8 * (matrix % 2) + lane_in_warp % 8;
-  const int column = column0 + 16 * kk + 8 * (matrix / 2);
-  const int slab = column / 64, chunk = (column % 64) / 8;
-  return tile + slab * slab_bytes + row * 128 + ((chunk ^ (row % 8)) * 16);
-}
+// address of row l % 8 of matrix l / 8 (SwizzledFragmentLane); each matrix's 8 rows sit in 8
+// distinct 16-byte bank groups.
+struct SwizzledFragmentLane {
+  int row, column0;  // the row this lane addresses, and its column in fragment 0
+  __device__ static SwizzledFragmentLane of(int warp_row0, int column0, int lane_in_warp) {
+    const int matrix = lane_in_warp / 8;
+    return {warp_row0 + 8 * (matrix % 2) + lane_in_warp % 8, column0 + 8 * (matrix / 2)};
+  }
+  // Its address in fragment kk.
+  __device__ uint32_t address(uint32_t tile, uint32_t slab_bytes, int kk) const {
+    const int column = column0 + 16 * kk;
+    const int slab = column / 64, chunk = (column % 64) / 8;
+    return tile + slab * slab_bytes + row * 128 + ((chunk ^ (row % 8)) * 16);
+  }
+};
 
 // Fragments -> shared memory (stmatrix).
 template <int kSteps>
@@ -440,11 +444,11 @@ __device__ __forceinline__ void store_fragments_swizzled(uint32_t tile, uint32_t
                                                          int warp_row0, int column0,
                                                          int lane_in_warp,
                                                          const uint32_t (&a)[kSteps][4]) {
+  const SwizzledFragmentLane lane = SwizzledFragmentLane::of(warp_row0, column0, lane_in_warp);
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
-    const uint32_t dst =
-        swizzled_fragment_address(tile, slab_bytes, warp_row0, column0, lane_in_warp, kk);
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(dst),
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+                     lane.address(tile, slab_bytes, kk)),
                  "r"(a[kk][0]), "r"(a[kk][1]), "r"(a[kk][2]), "r"(a[kk][3])
                  : "memory");
   }
@@ -456,13 +460,12 @@ __device__ __forceinline__ void load_fragments_swizzled(uint32_t tile, uint32_t 
                                                         int warp_row0, int column0,
                                                         int lane_in_warp,
                                                         uint32_t (&a)[kSteps][4]) {
+  const SwizzledFragmentLane lane = SwizzledFragmentLane::of(warp_row0, column0, lane_in_warp);
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
-    const uint32_t src =
-        swizzled_fragment_address(tile, slab_bytes, warp_row0, column0, lane_in_warp, kk);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(a[kk][0]), "=r"(a[kk][1]), "=r"(a[kk][2]), "=r"(a[kk][3])
-                 : "r"(src)
+                 : "r"(lane.address(tile, slab_bytes, kk))
                  : "memory");
   }
 }
