@@ -97,6 +97,8 @@ struct Config {
   static constexpr int kQFragments = kQInRegisters ? kHeadDim / 16 : 1;  // 1: unused
   // mbarriers per stage: K and V "full" and "empty", and in a cluster "peer" (exchange_release)
   static constexpr int kStageBarriers = kClusterSize > 1 ? 6 : 4;
+  // Arrivals that free a K or V stage: one per consumer warp.
+  static constexpr uint32_t kStageEmptyArrivals = 4 * kConsumerWarpgroups;
 
   // After setmaxnreg the CTA's 64K registers are split between the producer and consumers.
   static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? 24 : 32;
@@ -265,17 +267,23 @@ struct Tile {
   int q_rows;   // valid query rows of this batch (q_seqlens)
   int kv_cols;  // valid keys of this batch (kv_seqlens)
   int n_min, n_max;  // key blocks [n_min, n_max) hold every kept key of the tile's rows
+  int n_peer;   // in a cluster, the other CTA's n_max (its tile shares n_min); alone, n_max
   __device__ bool empty() const { return n_max <= n_min; }
+  // Key blocks both CTAs of a cluster step through, this one's and the other's: the ring's
+  // stages must hold the same block in both for the shared loads.
+  __device__ int n_lead() const { return max(n_max, n_peer); }
 };
 
 // Work units: CTA i runs units i, i + grid, ... A unit is one tile or, when the cost of a tile
 // grows with its m-block (causal without a left window), the pair of m-blocks {last - k, k},
 // so that every unit costs the same and the static assignment balances. Units come in groups
 // of (batch, head) pairs whose K / V fit in L2 (UnitGroups); inside a group the longest m-blocks
-// come first, heads innermost. In clusters of two (never with pairs), units 2i and 2i + 1 are
-// m-blocks 2j and 2j + 1 of one head: the grid is even, so the cluster's CTAs (ranks 0 and 1)
-// run them side by side, and the groups count units in twos. Returns false when the unit has no
-// `second` tile.
+// come first, heads innermost. In clusters of two, units 2i and 2i + 1 are m-blocks 2j and
+// 2j + 1 of one head: the grid is even, so the cluster's CTAs (ranks 0 and 1) run them side by
+// side, and the groups count units in twos. With pairs too, the cluster's second tiles are
+// m-blocks 2k and 2k + 1, the higher one (the longer) on the other rank than in the first tiles,
+// so that each CTA runs about half of the blocks only one of the pair visits (see produce_tile).
+// Returns false when the unit has no `second` tile.
 template <class Cfg>
 __device__ bool decode_tile(const Params& p, int unit, bool second, Tile& t) {
   // Tested before the unit's decode, a chain of dependent multiply-shifts that every tile
@@ -284,30 +292,38 @@ __device__ bool decode_tile(const Params& p, int unit, bool second, Tile& t) {
   constexpr int kCluster = Cfg::kClusterSize;
   int bh;
   const int order = p.groups.order_of(unit / kCluster, &bh);
-  const int first_m_block = p.num_m_blocks - kCluster * (order + 1) + unit % kCluster;
-  if (second && order >= first_m_block) return false;
+  // Bands: kCluster adjacent m-blocks, which a cluster runs side by side. The first tile's band
+  // counts down from the last, the second's (with pairs) up from the first.
+  const int first_band = p.num_m_blocks / kCluster - 1 - order;
+  if (second && order >= first_band) return false;
+  const int rank = unit % kCluster;
 
   t.batch = p.div_num_heads.divmod(bh, t.head);
-  t.m_block = second ? order : first_m_block;
+  t.m_block = second ? kCluster * order + kCluster - 1 - rank : kCluster * first_band + rank;
   t.q_rows = p.q_seqlens ? max(0, min(p.q_seqlens[t.batch], p.q_len)) : p.q_len;
   t.kv_cols = p.kv_seqlens ? max(0, min(p.kv_seqlens[t.batch], p.kv_len)) : p.kv_len;
 
-  const int row_lo = t.m_block * Cfg::kBlockM;
-  const int row_hi = min(row_lo + Cfg::kBlockM, t.q_rows) - 1;
-  int col_hi = t.kv_cols - 1;
-  if (p.window_right >= 0) col_hi = min(col_hi, row_hi + p.window_right);
-  const int col_lo = p.window_left >= 0 ? max(0, row_lo - p.window_left) : 0;
-  // The two tiles of a cluster's pair run both or neither, as their CTAs share every K / V load:
-  // a tile past its batch's rows (q_seqlens) runs with all rows masked, which writes what an
-  // empty tile writes (out 0, lse -inf), while the other tile has rows. Its keys are the
-  // other's: use_cluster takes no window.
+  // The last key block of m-block m's rows (empty rows past q_rows: up to the batch's last row).
+  const auto key_end = [&](int m) {
+    const int row_hi = min((m + 1) * Cfg::kBlockM, t.q_rows) - 1;
+    int col_hi = t.kv_cols - 1;
+    if (p.window_right >= 0) col_hi = min(col_hi, row_hi + p.window_right);
+    return col_hi;
+  };
+  const int col_hi = key_end(t.m_block);
+  const int col_lo = p.window_left >= 0 ? max(0, t.m_block * Cfg::kBlockM - p.window_left) : 0;
+  // The two tiles of a cluster's pair run both or neither, as their CTAs share K / V loads: a
+  // tile past its batch's rows (q_seqlens) runs with all rows masked, which writes what an
+  // empty tile writes (out 0, lse -inf), while the other tile has rows. Both start at key 0:
+  // use_cluster takes no left window.
   const int pair_row_lo = t.m_block / kCluster * kCluster * Cfg::kBlockM;
   const bool no_rows = min(pair_row_lo + kCluster * Cfg::kBlockM, t.q_rows) <= pair_row_lo;
   if (no_rows || col_hi < col_lo) {
-    t.n_min = t.n_max = 0;
+    t.n_min = t.n_max = t.n_peer = 0;
   } else {
     t.n_min = col_lo / Cfg::kBlockN;
     t.n_max = col_hi / Cfg::kBlockN + 1;
+    t.n_peer = kCluster > 1 ? max(key_end(t.m_block ^ 1), col_lo) / Cfg::kBlockN + 1 : t.n_max;
   }
   return true;
 }
@@ -323,18 +339,26 @@ __device__ __forceinline__ uint32_t block_phase(int block) {
 }
 
 // Key block nb of K or V into `dst`, signalling `bar`. In a cluster of two, this CTA loads its
-// half of the block's rows into both CTAs, whose `bar` each expect the whole block.
+// half of the block's rows into both CTAs, whose `bar` each expect the whole block; a block only
+// this CTA's tile visits (`alone`) it loads whole into its own shared memory.
 template <class Cfg>
 __device__ __forceinline__ void load_kv(const CUtensorMap* map, uint32_t dst, uint32_t bar,
-                                        int nb, int kv_head, int batch) {
+                                        int nb, int kv_head, int batch, bool alone) {
   if constexpr (Cfg::kClusterSize == 1) {
     tma_load_tile<Cfg::kSlabs, Cfg::kBlockN>(map, dst, bar, nb * Cfg::kBlockN, kv_head, batch);
   } else {
     constexpr int kRows = Cfg::kKVBoxRows;
-    const int half = int(cluster_cta_rank());
-    tma_load_tile_multicast<Cfg::kSlabs, Cfg::kBlockN, kRows>(
-        map, dst + half * kRows * 128, bar, nb * Cfg::kBlockN + half * kRows, kv_head, batch,
-        uint16_t((1 << Cfg::kClusterSize) - 1));
+    const int rank = int(cluster_cta_rank());
+    const auto load_half = [&](int half, uint16_t ctas) {
+      tma_load_tile_multicast<Cfg::kSlabs, Cfg::kBlockN, kRows>(
+          map, dst + half * kRows * 128, bar, nb * Cfg::kBlockN + half * kRows, kv_head, batch,
+          ctas);
+    };
+    if (alone) {
+      for (int half = 0; half < Cfg::kClusterSize; ++half) load_half(half, uint16_t(1 << rank));
+    } else {
+      load_half(rank, uint16_t((1 << Cfg::kClusterSize) - 1));
+    }
   }
 }
 
@@ -363,6 +387,15 @@ __device__ __forceinline__ void acquire_stage(uint32_t empty_bar, uint32_t peer_
   exchange_release<Cfg>(peer_bar, phase);
 }
 
+// A stage use with no block in it (a cluster's block only the other CTA visits): completes the
+// phase of its "full" barrier (no bytes) and of its "empty" one (every consumer warp's arrival),
+// so that both barriers stay in step with the other CTA's stage uses.
+template <class Cfg>
+__device__ __forceinline__ void pass_stage(uint32_t full_bar, uint32_t empty_bar) {
+  mbarrier_arrive(full_bar);
+  mbarrier_arrive_count(empty_bar, Cfg::kStageEmptyArrivals);
+}
+
 // Streams one tile's Q and its K_j, V_j (j from the last key block down). q_count: non-empty
 // tiles so far, which selects the Q buffer and its phase.
 template <class Cfg>
@@ -385,23 +418,36 @@ __device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uin
   // Two buffers: this one was released early in the previous tile, so Q goes ahead of the
   // ring (it is then in flight for about two key blocks before the tile starts).
   if constexpr (Cfg::kQBuffers > 1) load_q();
-  for (int nb = t.n_max - 1; nb >= t.n_min; --nb, ++block_count) {
+  // In a cluster the stages follow the pair's key blocks (Tile::n_lead): a block only the other
+  // CTA's tile visits takes a stage use here too, which this thread completes itself (both
+  // barriers, no load), and the consumers skip (consume_tile).
+  constexpr bool kCluster = Cfg::kClusterSize > 1;
+  for (int nb = (kCluster ? t.n_lead() : t.n_max) - 1; nb >= t.n_min; --nb, ++block_count) {
     const int stage = block_count % Cfg::kStages;
     const uint32_t phase = block_phase<Cfg>(block_count);
     const uint32_t k_dst = smem + Cfg::kKOffset + stage * Cfg::kKVBytes;
     const uint32_t v_dst = smem + Cfg::kVOffset + stage * Cfg::kKVBytes;
+    const bool skipped = kCluster && nb >= t.n_max, alone = kCluster && nb >= t.n_peer;
 
     acquire_stage<Cfg>(bars.k_empty + 8 * stage, bars.k_peer + 8 * stage, phase);
-    mbarrier_arrive_expect_tx(bars.k_full + 8 * stage, Cfg::kKVBytes);
-    load_kv<Cfg>(&p.tma_k, k_dst, bars.k_full + 8 * stage, nb, kv_head, t.batch);
+    if (skipped) {
+      pass_stage<Cfg>(bars.k_full + 8 * stage, bars.k_empty + 8 * stage);
+    } else {
+      mbarrier_arrive_expect_tx(bars.k_full + 8 * stage, Cfg::kKVBytes);
+      load_kv<Cfg>(&p.tma_k, k_dst, bars.k_full + 8 * stage, nb, kv_head, t.batch, alone);
+    }
     // One buffer: Q waits until every consumer warp released the last tile's, so the first K
     // goes ahead of it.
     if constexpr (Cfg::kQBuffers == 1) {
       if (nb == t.n_max - 1) load_q();
     }
     acquire_stage<Cfg>(bars.v_empty + 8 * stage, bars.v_peer + 8 * stage, phase);
-    mbarrier_arrive_expect_tx(bars.v_full + 8 * stage, Cfg::kKVBytes);
-    load_kv<Cfg>(&p.tma_v, v_dst, bars.v_full + 8 * stage, nb, kv_head, t.batch);
+    if (skipped) {
+      pass_stage<Cfg>(bars.v_full + 8 * stage, bars.v_empty + 8 * stage);
+    } else {
+      mbarrier_arrive_expect_tx(bars.v_full + 8 * stage, Cfg::kKVBytes);
+      load_kv<Cfg>(&p.tma_v, v_dst, bars.v_full + 8 * stage, nb, kv_head, t.batch, alone);
+    }
     TIMELINE_TILE_EVENT(q_count - 1, kFirstKvIssued, nb == t.n_max - 1);
     TIMELINE_TILE_EVENT(q_count - 1, kLastKvIssued, nb == t.n_min);
   }
@@ -853,6 +899,9 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
                             qa);
   }
   ++c.q_count;
+  const int pending_block = c.block_count - 1;  // the pending tile's last key block (kFused)
+  // In a cluster, the stage uses of the blocks only the other CTA's tile visits (produce_tile).
+  if constexpr (Cfg::kClusterSize > 1) c.block_count += t.n_lead() - t.n_max;
   RowStats st = {{-INFINITY, -INFINITY}, {0.f, 0.f}};
   float o_scale[2];
   // First key block: S, fused with the pending tile's last PV when kFused. Two copies of the
@@ -863,9 +912,9 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     constexpr bool kFused = decltype(fused)::value;
     const int nb = t.n_max - 1;
     const int stage = c.block_count % kStages;
-    const int prev = (c.block_count - 1) % kStages;  // the pending tile's last V (kFused)
+    const int prev = pending_block % kStages;  // the pending tile's last V (kFused)
     mbarrier_wait(bars.k_full + 8 * stage, block_phase<Cfg>(c.block_count));
-    if (kFused) mbarrier_wait(bars.v_full + 8 * prev, block_phase<Cfg>(c.block_count - 1));
+    if (kFused) mbarrier_wait(bars.v_full + 8 * prev, block_phase<Cfg>(pending_block));
     issue_in_turn(c, [&] {
       TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kFirstTurn);
       if constexpr (kFused) {
@@ -991,7 +1040,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
   // TMA's 128-byte swizzle and the wgmma descriptors assume 1024-byte-aligned tiles.
   const uint32_t smem = (smem_address(smem_raw) + 1023) & ~1023u;
   const BarrierAddresses bars = BarrierAddresses::at<Cfg>(smem + Cfg::kBarrierOffset);
-  constexpr uint32_t kEmptyArrivals = 4 * Cfg::kConsumerWarpgroups;  // one per consumer warp
+  constexpr uint32_t kEmptyArrivals = Cfg::kStageEmptyArrivals;
   // A staged Q buffer is released by the one thread per warpgroup that stored the output.
   constexpr uint32_t kQEmptyArrivals =
       Cfg::kStageOutput ? Cfg::kConsumerWarpgroups : kEmptyArrivals;
@@ -1090,14 +1139,13 @@ TileShape use_tile(const ForwardArgs& a) {
 
 // Clusters of two CTAs sharing each K / V block (Config::kClusterSize): measured (harness,
 // settled; docs/perf-notes-v3.md, session 15) -5% at T = 1024 for head dims 128 / 256, -2..-3%
-// at T = 4096 / 16384, -1..-2% at head dim 64. Only where both m-blocks of a pair visit the
-// same key blocks in the same order: no causal mask or window (key ranges that depend on the
-// rows), an even number of m-blocks (a pair never straddles two heads). Query lengths are
-// fine (decode_tile).
+// at T = 4096 / 16384, -1..-2% at head dim 64 (non-causal). Where both m-blocks of a band start
+// at the same key block (no left window; causal and right windows end them apart, see
+// produce_tile) and the m-blocks come in whole bands (an even number: a band never straddles
+// two heads). Query lengths are fine (decode_tile).
 bool use_cluster(const ForwardArgs& a, int block_m) {
-  const MaskSpec& m = a.spec;
   const int64_t m_blocks = (a.shape.q_len + block_m - 1) / block_m;
-  return !m.is_causal && m.window_left < 0 && m.window_right < 0 && m_blocks % 2 == 0;
+  return a.spec.window_left < 0 && m_blocks % 2 == 0;
 }
 
 // The CTAs of a persistent forward grid: at most one per SM and per unit; in clusters of two, as
@@ -1166,7 +1214,10 @@ cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
   p.num_m_blocks = int((sh.q_len + Cfg::kBlockM - 1) / Cfg::kBlockM);
   // Causal without a left window: a tile's cost grows with its m-block; pair them up.
   p.pair_m_blocks = p.window_right >= 0 && p.window_left < 0;
-  const int units_per_head = p.pair_m_blocks ? (p.num_m_blocks + 1) / 2 : p.num_m_blocks;
+  // In clusters, pairs of bands (decode_tile); use_cluster: an even number of m-blocks.
+  const int bands_per_head = p.num_m_blocks / Cfg::kClusterSize;
+  const int units_per_head =
+      p.pair_m_blocks ? Cfg::kClusterSize * ((bands_per_head + 1) / 2) : p.num_m_blocks;
   const int64_t batch_heads = sh.batch * sh.num_heads;
   p.num_units = int(units_per_head * batch_heads);
   if (p.num_units == 0) return cudaSuccess;
