@@ -29,10 +29,12 @@
 //     tile, or under causal masking the pair of m-blocks {last - k, k}, whose costs add up to
 //     the same for every k (longest first), so that the static assignment balances. Units are
 //     grouped by heads whose K / V fit in L2.
-//   * clusters of two CTAs (where both m-blocks of a pair visit the same key blocks: no causal
-//     mask or window): the pair runs two m-blocks of one head side by side; each CTA loads half
-//     of every K / V block into both with TMA multicast, and a stage is free once the consumers
-//     of both CTAs released it (exchange_release). Half the K / V traffic from L2 per CTA.
+//   * clusters of two CTAs (where both m-blocks of a band start at the same key block: no left
+//     window; use_cluster): the pair runs two m-blocks of one head side by side; each CTA loads
+//     half of every K / V block into both with TMA multicast, and a stage is free once the
+//     consumers of both CTAs released it (exchange_release). Half the K / V traffic from L2 per
+//     CTA. Under causal masking the longer tile's last blocks are loaded by its CTA alone, and
+//     the other CTA passes those stage uses (produce_tile).
 //
 // Tiles (kBlockM x kBlockN): head dim 64: 128 x 128, or 192 x 128 (three consumer warpgroups)
 // on long sequences; 128: 128 x 128, or 128 x 192 on long ones; 256: 128 x 80. Two K / V
@@ -1138,14 +1140,20 @@ TileShape use_tile(const ForwardArgs& a) {
 }
 
 // Clusters of two CTAs sharing each K / V block (Config::kClusterSize): measured (harness,
-// settled; docs/perf-notes-v3.md, session 15) -5% at T = 1024 for head dims 128 / 256, -2..-3%
-// at T = 4096 / 16384, -1..-2% at head dim 64 (non-causal). Where both m-blocks of a band start
-// at the same key block (no left window; causal and right windows end them apart, see
-// produce_tile) and the m-blocks come in whole bands (an even number: a band never straddles
-// two heads). Query lengths are fine (decode_tile).
+// settled; docs/perf-notes-v3.md, sessions 15 and 17) -5% at T = 1024 for head dims 128 / 256,
+// -2..-3% at T = 4096 / 16384, -1..-2% at head dim 64 (non-causal); causal -2..-4.6% at head dim
+// 256, -2.0 / -3.4% at head dim 128 T = 4096 / 16384 (+0.4% at T = 1024), but at head dim 64
+// -1.4% at T = 4096 against +2.2% at T = 1024 and +4.1% on the 192-row tile, which therefore
+// run alone under causal masking. Where both m-blocks of a band start at the same key block (no
+// left window; causal and right windows end them apart, see produce_tile) and the m-blocks come
+// in whole bands (an even number: a band never straddles two heads). Query lengths are fine
+// (decode_tile).
 bool use_cluster(const ForwardArgs& a, int block_m) {
+  const MaskSpec& m = a.spec;
   const int64_t m_blocks = (a.shape.q_len + block_m - 1) / block_m;
-  return a.spec.window_left < 0 && m_blocks % 2 == 0;
+  if (m.window_left >= 0 || m_blocks % 2 != 0) return false;
+  const bool causal_like = m.is_causal || m.window_right >= 0;
+  return !causal_like || a.shape.head_dim != 64 || (block_m == 128 && a.shape.q_len >= 4096);
 }
 
 // The CTAs of a persistent forward grid: at most one per SM and per unit; in clusters of two, as
