@@ -1140,20 +1140,22 @@ TileShape use_tile(const ForwardArgs& a) {
 }
 
 // Clusters of two CTAs sharing each K / V block (Config::kClusterSize): measured (harness,
-// settled; docs/perf-notes-v3.md, sessions 15 and 17) -5% at T = 1024 for head dims 128 / 256,
-// -2..-3% at T = 4096 / 16384, -1..-2% at head dim 64 (non-causal); causal -2..-4.6% at head dim
-// 256, -2.0 / -3.4% at head dim 128 T = 4096 / 16384 (+0.4% at T = 1024), but at head dim 64
-// -1.4% at T = 4096 against +2.2% at T = 1024 and +4.1% on the 192-row tile, which therefore
-// run alone under causal masking. Where both m-blocks of a band start at the same key block (no
-// left window; causal and right windows end them apart, see produce_tile) and the m-blocks come
-// in whole bands (an even number: a band never straddles two heads). Query lengths are fine
-// (decode_tile).
+// settled; docs/perf-notes-v3.md, session 15) -5% at T = 1024 for head dims 128 / 256, -2..-3%
+// at T = 4096 / 16384, -1..-2% at head dim 64, non-causal. Under causal masking (session 17,
+// library A/B, host-timed) +2.3..+5.2% throughput at head dim 256, +1.8 / +3.0% at head dim 128
+// T = 4096 / 16384, +1.4% at head dim 64 T = 4096; but slower on the 128-key tiles at T = 1024
+// (head dim 128 -1.6%, harness +0.4% time; head dim 64 harness +2.2%) and on head dim 64's
+// 192-row tile (harness +4.1%), which therefore run alone under causal masking. Where both
+// m-blocks of a band start at the same key block (no left window; causal and right windows end
+// them apart, see produce_tile) and the m-blocks come in whole bands (an even number: a band
+// never straddles two heads). Query lengths are fine (decode_tile).
 bool use_cluster(const ForwardArgs& a, int block_m) {
   const MaskSpec& m = a.spec;
   const int64_t m_blocks = (a.shape.q_len + block_m - 1) / block_m;
   if (m.window_left >= 0 || m_blocks % 2 != 0) return false;
   const bool causal_like = m.is_causal || m.window_right >= 0;
-  return !causal_like || a.shape.head_dim != 64 || (block_m == 128 && a.shape.q_len >= 4096);
+  if (!causal_like || a.shape.head_dim == 256) return true;
+  return a.shape.q_len >= 4096 && (a.shape.head_dim != 64 || block_m == 128);
 }
 
 // The CTAs of a persistent forward grid: at most one per SM and per unit; in clusters of two, as

@@ -166,17 +166,19 @@ def test_reference_of_a_row_slice_is_those_rows_of_the_whole(kw, rng):
   np.testing.assert_allclose(dq, full_grads[0][:, rows], rtol=1e-12, atol=1e-12)
 
 
-def test_v3_long_causal_rows_match_float64(rng):
-  """v3's wide head dim 128 tile under causal masking (q_len >= 16384, use_tile in
-  cuda/v3_fwd_sm90.cu), too long for the whole-matrix reference: the first and the last query
-  rows against a float64 reference of those rows."""
-  case = Case(b=1, t=16384, s=16384, n=1, k=1, h=128, dtype="bfloat16", is_causal=True)
+@pytest.mark.parametrize("t,h", [(16384, 128), (4096, 128), (4096, 64), (2048, 256)])
+def test_v3_long_causal_rows_match_float64(t, h, rng):
+  """v3 under causal masking on long sequences, too long for the whole-matrix reference: rows at
+  the start, the middle and the end against a float64 reference of those rows. These shapes run
+  in clusters of two CTAs (use_cluster in cuda/v3_fwd_sm90.cu), whose longer tile of a band loads
+  its last key blocks alone; 16384 rows at head dim 128 on the wide tile (use_tile)."""
+  case = Case(b=1, t=t, s=t, n=1, k=1, h=h, dtype="bfloat16", is_causal=True)
   _require("v3", case)
   x = make_inputs(case, rng)
   out = jax.jit(lambda q, k, v: jax_flash.flash_attention(q, k, v, is_causal=True,
                                                           schedule="v3"))(x.q, x.k, x.v)
   q, k, v = as_f64(x.q), as_f64(x.k), as_f64(x.v)
-  for start in (0, case.t - 128):
+  for start in (0, case.t // 2 - 64, case.t - 128):
     want, _ = reference.attention_forward_f64(q[:, start:start + 128], k, v, is_causal=True,
                                               q_offset=start, scale=1 / np.sqrt(case.h))
     err = np.max(np.abs(as_f64(out[:, start:start + 128]) - want))

@@ -353,18 +353,19 @@ std::vector<Case> check_cases() {
   cs.push_back({bf, 2, 2304, 2304, 16, 4, 64});
   cs.push_back(Case{hf, 4, 512, 700, 8, 2, 128}.ragged({}, {700, 1, 0, 333}));
   cs.push_back(Case{bf, 4, 512, 300, 8, 2, 128}.ragged({512, 100, 0, 300}, {300, 300, 200, 1}));
-  // ... and causal or with a right window (no left one): the pair's tiles end at different key
-  // blocks, which the longer one loads alone while the other passes the stage. Several units
-  // per CTA (1024 units); 6 m-blocks (3 bands: the last unit has no second tile) with query
-  // lengths that leave the higher m-block of a band without rows (masked beside the other);
-  // more query rows than keys; the 192-row tile at 8448 rows (44 m-blocks); head dim 256's
-  // 80-key blocks (a band's m-blocks end one or two blocks apart).
-  cs.push_back({bf, 16, 1024, 1024, 16, 4, 128, true});
-  cs.push_back(Case{bf, 3, 768, 768, 4, 2, 128, true}.ragged({768, 200, 300}, {768, 768, 100}));
-  cs.push_back({hf, 2, 1280, 1000, 4, 4, 64, true});
-  cs.push_back({hf, 1, 8448, 8448, 1, 1, 64, true});
-  cs.push_back(Case{bf, 2, 512, 512, 4, 2, 256}.window(-1, 30));
+  // ... and causal or with a right window (no left one; use_cluster: head dim 256, or from 4096
+  // query rows on the 128-row tiles): the pair's tiles end at different key blocks, which the
+  // longer one loads alone while the other passes the stage. Several units per CTA (256 cluster
+  // units) with a query length that leaves the higher m-block of a band without rows (masked
+  // beside the other); 6 m-blocks (3 bands: the last unit has no second tile), ragged; more
+  // query rows than keys at head dim 64; head dim 256's 80-key blocks (a band's m-blocks end
+  // one or two blocks apart); a right window alone.
+  cs.push_back(Case{bf, 4, 4096, 4096, 8, 2, 128, true}.ragged({4096, 2100, 1, 4096}, {}));
+  cs.push_back(Case{bf, 3, 768, 768, 4, 2, 256, true}.ragged({768, 200, 300}, {768, 768, 100}));
+  cs.push_back({hf, 1, 4352, 4000, 4, 4, 64, true});
   cs.push_back({bf, 1, 1536, 1536, 2, 1, 256, true});
+  cs.push_back(Case{bf, 2, 512, 512, 4, 2, 256}.window(-1, 30));
+  cs.push_back(Case{bf, 1, 4096, 4096, 2, 1, 128}.window(-1, 100));
   return cs;
 }
 
@@ -781,9 +782,9 @@ int main(int argc, char** argv) {
       const Case pairs{DType::kBF16, 4, 256, 300, 8, 2, 128};
       ok &= check_case(pairs.ragged({256, 90, 0, 200}, {300, 0, 77, 256}), 13);
       // ... causal: the longer tile of a band loads its last blocks alone
-      const Case causal_pairs{DType::kBF16, 2, 512, 512, 4, 2, 128, true};
+      const Case causal_pairs{DType::kBF16, 2, 512, 512, 4, 2, 256, true};
       ok &= check_case(causal_pairs.ragged({512, 300}, {512, 400}), 14);
-      ok &= check_case({DType::kBF16, 1, 320, 320, 2, 1, 256, true}, 15);
+      ok &= check_case(Case{DType::kBF16, 1, 4096, 4096, 1, 1, 128}.window(-1, 100), 15);
     } else if (mode == "bench") {
       ok &= bench(grid, 10);
     } else if (mode == "--bench-one" && i + 3 < argc) {
