@@ -38,7 +38,7 @@
 //
 // Tiles (kBlockM x kBlockN): head dim 64: 128 x 128, or 192 x 128 (three consumer warpgroups)
 // on long sequences; 128: 128 x 128, or 128 x 192 on long ones; 256: 128 x 80. Two K / V
-// stages.
+// stages (three at head dim 64).
 //
 // Shared memory tiles are 64-column slabs of 128-byte rows in the 128-byte swizzle that TMA
 // writes and wgmma reads (slab c of a tile with R rows starts at c * R * 128 bytes). K-major
@@ -81,7 +81,11 @@ struct Config {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kConsumerWarpgroups = kConsumerWarpgroups_;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
-  static constexpr int kStages = 2;
+  // Head dim 64 (three fit beside three Q buffers; not at head dims 128 / 256): a third stage lets the CTA of a
+  // cluster that runs one block ahead of the other (causal, see produce_tile) still find the
+  // next block loaded; measured -1.3..-1.6% at T = 1024, +-0.1% elsewhere (docs/perf-notes-v3.md,
+  // session 17; without clusters it had measured +-0.3%, session 12).
+  static constexpr int kStages = kHeadDim_ == 64 ? 3 : 2;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
   static constexpr bool kConditionalRescale = kConditionalRescale_;
   static constexpr int kExp2EmulationPeriod = kExp2EmulationPeriod_;
@@ -1143,19 +1147,20 @@ TileShape use_tile(const ForwardArgs& a) {
 // settled; docs/perf-notes-v3.md, session 15) -5% at T = 1024 for head dims 128 / 256, -2..-3%
 // at T = 4096 / 16384, -1..-2% at head dim 64, non-causal. Under causal masking (session 17,
 // library A/B, host-timed) +2.3..+5.2% throughput at head dim 256, +1.8 / +3.0% at head dim 128
-// T = 4096 / 16384, +1.4% at head dim 64 T = 4096; but slower on the 128-key tiles at T = 1024
-// (head dim 128 -1.6%, harness +0.4% time; head dim 64 harness +2.2%) and on head dim 64's
-// 192-row tile (harness +4.1%), which therefore run alone under causal masking. Where both
-// m-blocks of a band start at the same key block (no left window; causal and right windows end
-// them apart, see produce_tile) and the m-blocks come in whole bands (an even number: a band
-// never straddles two heads). Query lengths are fine (decode_tile).
+// T = 4096 / 16384; head dim 64 on its 128-row tile with three stages (Config::kStages) -1.6%
+// time at T = 1024 and -0.6% at T = 4096 (harness). Slower under causal masking: head dim 128
+// at T = 1024 (library -1.6% throughput; two stages, a third does not fit) and head dim 64's
+// 192-row tile (harness +4.1% / +5.8% time with two / three stages), which therefore run alone.
+// Where both m-blocks of a band start at the same key block (no left window; causal and right
+// windows end them apart, see produce_tile) and the m-blocks come in whole bands (an even
+// number: a band never straddles two heads). Query lengths are fine (decode_tile).
 bool use_cluster(const ForwardArgs& a, int block_m) {
   const MaskSpec& m = a.spec;
   const int64_t m_blocks = (a.shape.q_len + block_m - 1) / block_m;
   if (m.window_left >= 0 || m_blocks % 2 != 0) return false;
   const bool causal_like = m.is_causal || m.window_right >= 0;
   if (!causal_like || a.shape.head_dim == 256) return true;
-  return a.shape.q_len >= 4096 && (a.shape.head_dim != 64 || block_m == 128);
+  return a.shape.head_dim == 64 ? block_m == 128 : a.shape.q_len >= 4096;
 }
 
 // The CTAs of a persistent forward grid: at most one per SM and per unit; in clusters of two, as

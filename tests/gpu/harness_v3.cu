@@ -353,8 +353,8 @@ std::vector<Case> check_cases() {
   cs.push_back({bf, 2, 2304, 2304, 16, 4, 64});
   cs.push_back(Case{hf, 4, 512, 700, 8, 2, 128}.ragged({}, {700, 1, 0, 333}));
   cs.push_back(Case{bf, 4, 512, 300, 8, 2, 128}.ragged({512, 100, 0, 300}, {300, 300, 200, 1}));
-  // ... and causal or with a right window (no left one; use_cluster: head dim 256, or from 4096
-  // query rows on the 128-row tiles): the pair's tiles end at different key blocks, which the
+  // ... and causal or with a right window (no left one; use_cluster: head dim 256, head dim 64's
+  // 128-row tile, head dim 128 from 4096 query rows): the pair's tiles end at different key blocks, which the
   // longer one loads alone while the other passes the stage. Several units per CTA (256 cluster
   // units) with a query length that leaves the higher m-block of a band without rows (masked
   // beside the other); 6 m-blocks (3 bands: the last unit has no second tile), ragged; more
