@@ -47,10 +47,6 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
-// `count` arrivals at once (for arrivals whose work did not happen, such as a skipped stage).
-__device__ __forceinline__ void mbarrier_arrive_count(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
 
 // Returns once the phase with the given parity has completed. A fresh barrier is in phase 0,
 // so waiting for parity 1 returns at once: that is how "empty" buffers start out free.

@@ -103,8 +103,6 @@ struct Config {
   static constexpr int kQFragments = kQInRegisters ? kHeadDim / 16 : 1;  // 1: unused
   // mbarriers per stage: K and V "full" and "empty", and in a cluster "peer" (exchange_release)
   static constexpr int kStageBarriers = kClusterSize > 1 ? 6 : 4;
-  // Arrivals that free a K or V stage: one per consumer warp.
-  static constexpr uint32_t kStageEmptyArrivals = 4 * kConsumerWarpgroups;
 
   // After setmaxnreg the CTA's 64K registers are split between the producer and consumers.
   static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? 24 : 32;
@@ -338,11 +336,37 @@ __device__ bool decode_tile(const Params& p, int unit, bool second, Tile& t) {
 // Producer: one thread streams Q, then K_j and V_j for j from the last key block down
 // ------------------------------------------------------------------------------------------
 
-// The mbarrier phase of the K / V stage that holds the block'th key block (counted over tiles).
+// The mbarrier phase parity of a K / V stage's use number `block` (uses counted over tiles):
+// the "peer" barriers' in a cluster, and alone the "full" and "empty" ones' too (StagePhases).
 template <class Cfg>
 __device__ __forceinline__ uint32_t block_phase(int block) {
   return uint32_t(block / Cfg::kStages) & 1;
 }
+
+// The phase parities of the K / V stages' "full" and "empty" barriers, by stage use (`slot`,
+// counted over tiles). Alone every use holds a block: block_phase. In a cluster a use this CTA
+// passes (a block only the other CTA's tile visits, produce_tile) touches neither barrier, so
+// each stage keeps the parity of its next block in a bit. (A passed use that completed both
+// phases instead would let a consumer that skips it find the stage's next phase "done" before
+// the producer passed the use: its wait for the parity after next passes at once.)
+template <class Cfg>
+struct StagePhases {
+  uint32_t next_bits = 0;  // in a cluster, bit s: the parity of stage s's next block
+  // The parity of the block about to take use `slot`, and of the one that took it (whose K was
+  // waited for; no later use of that stage taken since).
+  __device__ uint32_t next(int slot) const {
+    if constexpr (Cfg::kClusterSize > 1) return (next_bits >> (slot % Cfg::kStages)) & 1;
+    return block_phase<Cfg>(slot);
+  }
+  __device__ uint32_t taken(int slot) const {
+    if constexpr (Cfg::kClusterSize > 1) return next(slot) ^ 1;
+    return block_phase<Cfg>(slot);
+  }
+  // A block took use `slot`.
+  __device__ void advance(int slot) {
+    if constexpr (Cfg::kClusterSize > 1) next_bits ^= 1u << (slot % Cfg::kStages);
+  }
+};
 
 // Key block nb of K or V into `dst`, signalling `bar`. In a cluster of two, this CTA loads its
 // half of the block's rows into both CTAs, whose `bar` each expect the whole block; a block only
@@ -383,23 +407,14 @@ __device__ __forceinline__ void exchange_release(uint32_t peer_bar, uint32_t pha
   }
 }
 
-// Waits until a K or V stage (its "empty" and "peer" barriers) is free for its use with phase
-// `phase`: read by this CTA's consumers, and in a cluster by the other CTA's too
-// (exchange_release).
+// Waits until a K or V stage (its "empty" and "peer" barriers) is free for use `slot`: its last
+// block read by this CTA's consumers, and in a cluster by the other CTA's too
+// (exchange_release, one exchange per use).
 template <class Cfg>
-__device__ __forceinline__ void acquire_stage(uint32_t empty_bar, uint32_t peer_bar,
-                                              uint32_t phase) {
-  mbarrier_wait(empty_bar, phase ^ 1);
-  exchange_release<Cfg>(peer_bar, phase);
-}
-
-// A stage use with no block in it (a cluster's block only the other CTA visits): completes the
-// phase of its "full" barrier (no bytes) and of its "empty" one (every consumer warp's arrival),
-// so that both barriers stay in step with the other CTA's stage uses.
-template <class Cfg>
-__device__ __forceinline__ void pass_stage(uint32_t full_bar, uint32_t empty_bar) {
-  mbarrier_arrive(full_bar);
-  mbarrier_arrive_count(empty_bar, Cfg::kStageEmptyArrivals);
+__device__ __forceinline__ void acquire_stage(uint32_t empty_bar, uint32_t peer_bar, int slot,
+                                              const StagePhases<Cfg>& phases) {
+  mbarrier_wait(empty_bar, phases.next(slot) ^ 1);
+  exchange_release<Cfg>(peer_bar, block_phase<Cfg>(slot));
 }
 
 // Streams one tile's Q and its K_j, V_j (j from the last key block down). q_count: non-empty
@@ -407,7 +422,7 @@ __device__ __forceinline__ void pass_stage(uint32_t full_bar, uint32_t empty_bar
 template <class Cfg>
 __device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uint32_t smem,
                                              const BarrierAddresses& bars, int& block_count,
-                                             int& q_count) {
+                                             StagePhases<Cfg>& phases, int& q_count) {
   const int kv_head = p.div_heads_per_kv.divide(t.head);
   const int q_buffer = q_count % Cfg::kQBuffers;
   const uint32_t q_phase = (q_count / Cfg::kQBuffers) & 1;
@@ -424,36 +439,36 @@ __device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uin
   // Two buffers: this one was released early in the previous tile, so Q goes ahead of the
   // ring (it is then in flight for about two key blocks before the tile starts).
   if constexpr (Cfg::kQBuffers > 1) load_q();
-  // In a cluster the stages follow the pair's key blocks (Tile::n_lead): a block only the other
-  // CTA's tile visits takes a stage use here too, which this thread completes itself (both
-  // barriers, no load), and the consumers skip (consume_tile).
+  // In a cluster the stage uses follow the pair's key blocks (Tile::n_lead): a block only the
+  // other CTA's tile visits takes a use here too, passed with the exchange alone (no load, no
+  // arrival on this CTA's barriers: StagePhases), which the consumers skip (consume_tile). A
+  // passed use does not wait for its stage to be released here: it writes nothing, and the
+  // stage may hold the pending tile's last V, which the consumers release only after the next
+  // tile's first block, behind this use, is in (tests/gpu/v3_fwd_protocol_model.py).
   constexpr bool kCluster = Cfg::kClusterSize > 1;
   for (int nb = (kCluster ? t.n_lead() : t.n_max) - 1; nb >= t.n_min; --nb, ++block_count) {
     const int stage = block_count % Cfg::kStages;
-    const uint32_t phase = block_phase<Cfg>(block_count);
     const uint32_t k_dst = smem + Cfg::kKOffset + stage * Cfg::kKVBytes;
     const uint32_t v_dst = smem + Cfg::kVOffset + stage * Cfg::kKVBytes;
-    const bool skipped = kCluster && nb >= t.n_max, alone = kCluster && nb >= t.n_peer;
-
-    acquire_stage<Cfg>(bars.k_empty + 8 * stage, bars.k_peer + 8 * stage, phase);
-    if (skipped) {
-      pass_stage<Cfg>(bars.k_full + 8 * stage, bars.k_empty + 8 * stage);
-    } else {
-      mbarrier_arrive_expect_tx(bars.k_full + 8 * stage, Cfg::kKVBytes);
-      load_kv<Cfg>(&p.tma_k, k_dst, bars.k_full + 8 * stage, nb, kv_head, t.batch, alone);
+    const bool alone = kCluster && nb >= t.n_peer;
+    if (kCluster && nb >= t.n_max) {
+      exchange_release<Cfg>(bars.k_peer + 8 * stage, block_phase<Cfg>(block_count));
+      exchange_release<Cfg>(bars.v_peer + 8 * stage, block_phase<Cfg>(block_count));
+      continue;
     }
+
+    acquire_stage<Cfg>(bars.k_empty + 8 * stage, bars.k_peer + 8 * stage, block_count, phases);
+    mbarrier_arrive_expect_tx(bars.k_full + 8 * stage, Cfg::kKVBytes);
+    load_kv<Cfg>(&p.tma_k, k_dst, bars.k_full + 8 * stage, nb, kv_head, t.batch, alone);
     // One buffer: Q waits until every consumer warp released the last tile's, so the first K
     // goes ahead of it.
     if constexpr (Cfg::kQBuffers == 1) {
       if (nb == t.n_max - 1) load_q();
     }
-    acquire_stage<Cfg>(bars.v_empty + 8 * stage, bars.v_peer + 8 * stage, phase);
-    if (skipped) {
-      pass_stage<Cfg>(bars.v_full + 8 * stage, bars.v_empty + 8 * stage);
-    } else {
-      mbarrier_arrive_expect_tx(bars.v_full + 8 * stage, Cfg::kKVBytes);
-      load_kv<Cfg>(&p.tma_v, v_dst, bars.v_full + 8 * stage, nb, kv_head, t.batch, alone);
-    }
+    acquire_stage<Cfg>(bars.v_empty + 8 * stage, bars.v_peer + 8 * stage, block_count, phases);
+    mbarrier_arrive_expect_tx(bars.v_full + 8 * stage, Cfg::kKVBytes);
+    load_kv<Cfg>(&p.tma_v, v_dst, bars.v_full + 8 * stage, nb, kv_head, t.batch, alone);
+    phases.advance(block_count);
     TIMELINE_TILE_EVENT(q_count - 1, kFirstKvIssued, nb == t.n_max - 1);
     TIMELINE_TILE_EVENT(q_count - 1, kLastKvIssued, nb == t.n_min);
   }
@@ -467,13 +482,14 @@ __device__ void run_producer(const Params& p, uint32_t smem, BarrierAddresses ba
   if constexpr (Cfg::kStageOutput) {  // for the consumers' output stores
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_o)));
   }
-  int block_count = 0;  // key blocks loaded so far, over all tiles: selects stage and phase
+  int block_count = 0;  // stage uses so far, over all tiles: selects stage and phase
+  StagePhases<Cfg> phases;
   int q_count = 0;
   for (int unit = blockIdx.x; unit < p.num_units; unit += gridDim.x) {
     for (int second = 0; second < 2; ++second) {
       Tile t;
       if (!decode_tile<Cfg>(p, unit, second, t)) break;
-      if (!t.empty()) produce_tile<Cfg>(p, t, smem, bars, block_count, q_count);
+      if (!t.empty()) produce_tile<Cfg>(p, t, smem, bars, block_count, phases, q_count);
     }
   }
   // In a cluster, this CTA exits only once every stage is free in both CTAs: the consumers of
@@ -482,9 +498,8 @@ __device__ void run_producer(const Params& p, uint32_t smem, BarrierAddresses ba
   if constexpr (Cfg::kClusterSize > 1) {
     for (int use = 0; use < Cfg::kStages; ++use, ++block_count) {
       const int stage = block_count % Cfg::kStages;
-      const uint32_t phase = block_phase<Cfg>(block_count);
-      acquire_stage<Cfg>(bars.k_empty + 8 * stage, bars.k_peer + 8 * stage, phase);
-      acquire_stage<Cfg>(bars.v_empty + 8 * stage, bars.v_peer + 8 * stage, phase);
+      acquire_stage<Cfg>(bars.k_empty + 8 * stage, bars.k_peer + 8 * stage, block_count, phases);
+      acquire_stage<Cfg>(bars.v_empty + 8 * stage, bars.v_peer + 8 * stage, block_count, phases);
     }
   }
 }
@@ -728,7 +743,7 @@ struct ConsumerState {
   Lane lane;
   int my_barrier, next_barrier;  // pingpong: wait for my turn, then pass it on
   uint32_t q_rows;  // shared address of this warpgroup's first Q row (slab 0) in Q buffer 0
-  int block_count;  // key blocks consumed so far: selects stage and phase
+  int block_count;  // stage uses so far (key blocks; in a cluster passed ones too): the stage
   int q_count;      // non-empty tiles started so far: selects Q buffer and phase
   int unreleased_q_buffer;  // an output store reads it, not yet handed back (-1: none)
 };
@@ -858,11 +873,12 @@ __device__ __forceinline__ void write_output(const Params& p, const FinishedTile
 template <class Cfg, class Finish>
 __device__ __forceinline__ void last_pv_alone(const Params& p, uint32_t smem,
                                               const BarrierAddresses& bars, ConsumerState& c,
+                                              const StagePhases<Cfg>& phases,
                                               float (&o)[Cfg::kHeadDim / 2],
                                               uint32_t (&pa)[Cfg::kBlockN / 16][4],
                                               Finish&& finish) {
   const int prev = (c.block_count - 1) % Cfg::kStages;
-  mbarrier_wait(bars.v_full + 8 * prev, block_phase<Cfg>(c.block_count - 1));
+  mbarrier_wait(bars.v_full + 8 * prev, phases.taken(c.block_count - 1));
   issue_in_turn(c, [&] {
     TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kLastPvTurn);
     issue_pv<Cfg>(pa, v_tile<Cfg>(smem, prev), o);
@@ -886,7 +902,7 @@ __device__ __forceinline__ void last_pv_alone(const Params& p, uint32_t smem,
 template <class Cfg>
 __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uint32_t smem,
                                              const BarrierAddresses& bars, ConsumerState& c,
-                                             PendingTile& pending,
+                                             StagePhases<Cfg>& phases, PendingTile& pending,
                                              float (&o)[Cfg::kHeadDim / 2],
                                              float (&s)[Cfg::kBlockN / 2],
                                              uint32_t (&pa)[Cfg::kBlockN / 16][4],
@@ -919,8 +935,9 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     const int nb = t.n_max - 1;
     const int stage = c.block_count % kStages;
     const int prev = pending_block % kStages;  // the pending tile's last V (kFused)
-    mbarrier_wait(bars.k_full + 8 * stage, block_phase<Cfg>(c.block_count));
-    if (kFused) mbarrier_wait(bars.v_full + 8 * prev, block_phase<Cfg>(pending_block));
+    mbarrier_wait(bars.k_full + 8 * stage, phases.next(c.block_count));
+    if (kFused) mbarrier_wait(bars.v_full + 8 * prev, phases.taken(pending_block));
+    phases.advance(c.block_count);
     issue_in_turn(c, [&] {
       TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kFirstTurn);
       if constexpr (kFused) {
@@ -963,8 +980,9 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
   for (int nb = t.n_max - 2; nb >= t.n_min; --nb, ++c.block_count) {
     const int stage = c.block_count % kStages;
     const int prev = (c.block_count - 1) % kStages;
-    mbarrier_wait(bars.k_full + 8 * stage, block_phase<Cfg>(c.block_count));
-    mbarrier_wait(bars.v_full + 8 * prev, block_phase<Cfg>(c.block_count - 1));
+    mbarrier_wait(bars.k_full + 8 * stage, phases.next(c.block_count));
+    mbarrier_wait(bars.v_full + 8 * prev, phases.taken(c.block_count - 1));
+    phases.advance(c.block_count);
     issue_in_turn(c, [&] {
       issue_qk<Cfg>(q_rows, qa, k_tile<Cfg>(smem, stage), s);
       wgmma_commit();
@@ -986,7 +1004,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     pending = {finish_tile<Cfg>(p, t, row_lo, c.lane, st, q_buffer), true};
   } else {
     // After the PV: at head dim 256 the statistics fit next to O, the finished rows did not.
-    last_pv_alone<Cfg>(p, smem, bars, c, o, pa,
+    last_pv_alone<Cfg>(p, smem, bars, c, phases, o, pa,
                        [&] { return finish_tile<Cfg>(p, t, row_lo, c.lane, st, q_buffer); });
   }
 }
@@ -1007,6 +1025,7 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
   c.block_count = 0;
   c.q_count = 0;
   c.unreleased_q_buffer = -1;
+  StagePhases<Cfg> phases;
 
   // The first warpgroup goes first.
   if (warpgroup == W - 1) named_barrier_arrive(scheduler_barrier(0), 256);
@@ -1030,10 +1049,12 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
         store_output<Cfg>(p, finish_tile<Cfg>(p, t, row_lo, c.lane, none, 0), c.lane, zero);
         continue;
       }
-      consume_tile<Cfg>(p, t, smem, bars, c, pending, o, s, pa, qa);
+      consume_tile<Cfg>(p, t, smem, bars, c, phases, pending, o, s, pa, qa);
     }
   }
-  if (pending.valid) last_pv_alone<Cfg>(p, smem, bars, c, o, pa, [&] { return pending.f; });
+  if (pending.valid) {
+    last_pv_alone<Cfg>(p, smem, bars, c, phases, o, pa, [&] { return pending.f; });
+  }
   // The shared memory the output stores read must outlive them; wait for them to finish.
   if (Cfg::kStageOutput && c.leader) bulk_wait_all();
   TIMELINE_EVENT(tl::kConsumerExit + warpgroup, c.leader);
@@ -1046,7 +1067,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
   // TMA's 128-byte swizzle and the wgmma descriptors assume 1024-byte-aligned tiles.
   const uint32_t smem = (smem_address(smem_raw) + 1023) & ~1023u;
   const BarrierAddresses bars = BarrierAddresses::at<Cfg>(smem + Cfg::kBarrierOffset);
-  constexpr uint32_t kEmptyArrivals = Cfg::kStageEmptyArrivals;
+  constexpr uint32_t kEmptyArrivals = 4 * Cfg::kConsumerWarpgroups;  // one per consumer warp
   // A staged Q buffer is released by the one thread per warpgroup that stored the output.
   constexpr uint32_t kQEmptyArrivals =
       Cfg::kStageOutput ? Cfg::kConsumerWarpgroups : kEmptyArrivals;

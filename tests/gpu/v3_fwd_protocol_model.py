@@ -2,12 +2,16 @@
 # mbarrier phases of the Q buffers and K / V stages, the pingpong ring of named barriers, the
 # fusion of a tile's last PV with the next tile's first S (into every tile, one-block ones too,
 # with three Q buffers), the release of a Q buffer after the output store staged in it, and
-# clusters of two CTAs (load_kv, exchange_release). In a cluster both CTAs run the same tiles,
-# each with its own Q buffers, stages and barriers; each producer loads half of every K / V block
-# into the stage of both CTAs (TMA multicast: the half completes transaction bytes on the "full"
-# barrier of both, which expect the whole block), once its own consumers released the stage and
-# it has told the other CTA's producer so (a remote arrival on its "peer" barrier) and heard the
-# same from it. One agent per role (a producer and W consumer warpgroups per CTA); per-warp
+# clusters of two CTAs (load_kv, exchange_release, pass_stage). In a cluster both CTAs run
+# tiles of the same bands, each with its own Q buffers, stages and barriers; each producer loads
+# half of every K / V block both tiles visit into the stage of both CTAs (TMA multicast: the half
+# completes transaction bytes on the "full" barrier of both, which expect the whole block), once
+# its own consumers released the stage and it has told the other CTA's producer so (a remote
+# arrival on its "peer" barrier) and heard the same from it. Under causal masking the two tiles
+# of a band end at different key blocks: the CTA of the longer one loads the blocks only it
+# visits whole into its own stage, and the other CTA passes those stage uses: its producer makes
+# the exchange alone, its consumers skip them, and neither touches the stage's "full" or "empty"
+# barriers, whose phases count blocks, not uses (StagePhases). One agent per role (a producer and W consumer warpgroups per CTA); per-warp
 # arrivals are folded into one per warpgroup; a K / V load lands as an event of its own (one per
 # half and CTA in a cluster, before or after the arrival that expects it), and so does a remote
 # arrival; a Q load lands at once; stores finish reading when released. Random tile sequences
@@ -17,6 +21,8 @@
 # CTA's consumers have not all released, a remote arrival or a landing in a CTA that has
 # exited, and a landing of a part whose issuing CTA has exited (the kernel has no cluster
 # barrier before exit: each producer ends with one more exchange per stage, run_producer).
+#
+# Two or three K / V stages (Config::kStages: three at head dim 64).
 #
 #   python3 tests/gpu/v3_fwd_protocol_model.py [trials]     (prints "trials with errors: 0")
 #
@@ -29,7 +35,14 @@
 # though, that mutation deadlocks at the first K, where the later producer to wait sees phase 0
 # complete already and waits for the other's next arrival, which needs its own missing half);
 # a "full" barrier that expects only the own half (a consumer reads a stage with one half landed);
-# no final exchange in the producer (a CTA exits with its half still on the way to the other).
+# no final exchange in the producer (a CTA exits with its half still on the way to the other); a
+# passed use that completes the stage's "full" and "empty" phases (the first version of passing:
+# a consumer that skipped it can find its wait for the stage's next block "done" before the
+# producer passed the use, and reads the stage before that block lands); a passed use that
+# waits for the own stage's last block to be released (deadlock: that block can be the pending
+# tile's last V, released only once the next tile's first block, behind the passed use, is in);
+# a block only one tile visits loaded as a shared half (a consumer reads a stage with one of two
+# parts).
 import random
 import sys
 
@@ -57,16 +70,16 @@ class Stage:
 
 class Cta:
     """One CTA's barriers and buffers; `running` counts its agents that have not finished."""
-    def __init__(s, rank, W, nbuf):
+    def __init__(s, rank, W, nbuf, stages):
         s.rank = rank
         s.q_full = [MBar(1) for _ in range(nbuf)]
         s.q_empty = [MBar(W) for _ in range(nbuf)]
         s.qbuf_content = [None] * nbuf
         s.store_reading = [0] * nbuf  # unreleased stores reading each Q buffer
-        s.full = {kv: [MBar(1) for _ in range(2)] for kv in "KV"}
-        s.empty = {kv: [MBar(W) for _ in range(2)] for kv in "KV"}
-        s.peer = {kv: [MBar(1) for _ in range(2)] for kv in "KV"}  # used in a cluster
-        s.stage = {kv: [Stage(W) for _ in range(2)] for kv in "KV"}
+        s.full = {kv: [MBar(1) for _ in range(stages)] for kv in "KV"}
+        s.empty = {kv: [MBar(W) for _ in range(stages)] for kv in "KV"}
+        s.peer = {kv: [MBar(1) for _ in range(stages)] for kv in "KV"}  # used in a cluster
+        s.stage = {kv: [Stage(W) for _ in range(stages)] for kv in "KV"}
         s.ring = [0] * W  # pending arrivals per pingpong barrier
         s.running = W + 1
 
@@ -77,12 +90,17 @@ CLUSTER_MUTATIONS = {
     "peer wait parity phase ^ 1": "lands while",
     "full barrier expects the own half only": "of 2 parts",
     "no final exchange": "after its issuer's exit",
+    "a passed use completes the stage's phases": "holds block",
+    "a passed use waits for the own stage": "DEADLOCK",
+    "lone block loaded as a shared half": "of 2 parts",
 }
 
-def run(tiles, W, staged, seed, staged_buffers=3, cluster=1, mutation=None):
+def run(tiles, W, staged, seed, staged_buffers=3, cluster=1, mutation=None, stages=2):
+    """tiles: per tile, the key blocks of each CTA's tile (a tuple of `cluster` counts, all 0 or
+    none: the pair runs both or neither)."""
     rnd = random.Random(seed)
     nbuf = staged_buffers if staged else 1
-    ctas = [Cta(rank, W, nbuf) for rank in range(cluster)]
+    ctas = [Cta(rank, W, nbuf, stages) for rank in range(cluster)]
     in_flight = []  # K / V parts and remote arrivals on the way (events of their own)
     errors = []
 
@@ -111,20 +129,47 @@ def run(tiles, W, staged, seed, staged_buffers=3, cluster=1, mutation=None):
         parity = ph ^ 1 if mutation == "peer wait parity phase ^ 1" else ph
         yield lambda: cta.peer[kv][st].ready(parity)
 
-    def acquire_stage(cta, kv, st, ph):
-        yield lambda: cta.empty[kv][st].ready(ph ^ 1)
-        if cluster > 1: yield from exchange_release(cta, kv, st, ph)
+    # "full" / "empty" phases count the blocks a stage took (StagePhases), the exchange its uses;
+    # the mutation counts uses for both, as the first version did.
+    by_use = mutation == "a passed use completes the stage's phases"
 
-    def load_kv(cta, kv, st, ph, block):
-        yield from acquire_stage(cta, kv, st, ph)
+    def acquire_stage(cta, kv, st, fill_ph, use_ph):
+        yield lambda: cta.empty[kv][st].ready(fill_ph ^ 1)
+        if cluster > 1: yield from exchange_release(cta, kv, st, use_ph)
+
+    def load_kv(cta, kv, st, fill_ph, use_ph, block, alone):
+        yield from acquire_stage(cta, kv, st, fill_ph, use_ph)
         own_half_only = mutation == "full barrier expects the own half only"
         cta.full[kv][st].arrive(expect_parts=1 if own_half_only else cluster)
+        if alone and mutation != "lone block loaded as a shared half":
+            for _ in range(cluster):  # every part of the block, into this CTA only
+                in_flight.append(lambda: land(cta, kv, st, block, cta))
+            return
         for dst in ctas:  # the multicast: this producer's part lands in every CTA
             in_flight.append(lambda dst=dst: land(dst, kv, st, block, cta))
 
+    def pass_stage(cta, kv, st, fill_ph, use_ph):
+        if by_use:
+            yield from acquire_stage(cta, kv, st, fill_ph, use_ph)
+            cta.full[kv][st].arrive()
+            for _ in range(W): cta.empty[kv][st].arrive()
+        elif mutation == "a passed use waits for the own stage":
+            yield from acquire_stage(cta, kv, st, fill_ph, use_ph)
+        else:  # no wait for the own stage: it may hold the pending tile's V
+            yield from exchange_release(cta, kv, st, use_ph)
+
+    def stage_use(cta, kv, st, fill_ph, use_ph, block, own, nb, peer):
+        """Key block nb of the pair's tiles (own / peer: how many blocks this CTA's and the other
+        CTA's tile visit): passed where only the other tile visits it, loaded alone where only
+        this one does, shared otherwise."""
+        if nb >= own: yield from pass_stage(cta, kv, st, fill_ph, use_ph)
+        else: yield from load_kv(cta, kv, st, fill_ph, use_ph, block, alone=nb >= peer)
+
     def producer(cta):
         bc = qc = 0
-        for ti, nblocks in enumerate(tiles):
+        blocks = [0] * stages  # blocks each stage took
+        for ti, counts in enumerate(tiles):
+            nblocks, peer = counts[cta.rank], counts[cta.rank ^ (cluster - 1)]
             if nblocks == 0: continue
             qb, qph = qc % nbuf, (qc // nbuf) & 1
             qc += 1
@@ -134,24 +179,29 @@ def run(tiles, W, staged, seed, staged_buffers=3, cluster=1, mutation=None):
                     errors.append(f"CTA{cta.rank}: Q{ti} overwrites buffer {qb} under a store")
                 cta.qbuf_content[qb] = ti; cta.q_full[qb].arrive()
             if staged: yield from load_q()
-            for j in range(nblocks):
-                st, ph = bc % 2, (bc // 2) & 1
-                yield from load_kv(cta, "K", st, ph, bc)
-                if not staged and j == 0: yield from load_q()
-                yield from load_kv(cta, "V", st, ph, bc)
+            for nb in reversed(range(max(nblocks, peer))):
+                st, use_ph = bc % stages, (bc // stages) & 1
+                fill_ph = use_ph if by_use else blocks[st] & 1
+                yield from stage_use(cta, "K", st, fill_ph, use_ph, bc, nblocks, nb, peer)
+                if not staged and nb == nblocks - 1: yield from load_q()
+                yield from stage_use(cta, "V", st, fill_ph, use_ph, bc, nblocks, nb, peer)
+                if nb < nblocks: blocks[st] += 1
                 bc += 1
         # In a cluster, every stage free in both CTAs before the exit: all halves have landed.
         if cluster > 1 and mutation != "no final exchange":
-            for _ in range(2):
-                st, ph = bc % 2, (bc // 2) & 1
-                yield from acquire_stage(cta, "K", st, ph)
-                yield from acquire_stage(cta, "V", st, ph)
+            for _ in range(stages):
+                st, use_ph = bc % stages, (bc // stages) & 1
+                fill_ph = use_ph if by_use else blocks[st] & 1
+                yield from acquire_stage(cta, "K", st, fill_ph, use_ph)
+                yield from acquire_stage(cta, "V", st, fill_ph, use_ph)
                 bc += 1
 
     def consumer(cta, w):
         ring = cta.ring
         if w == W - 1: ring[0] += 1
         c = dict(bc=0, qc=0, unreleased=-1)
+        blocks = [0] * stages  # blocks each stage took, as far as this warpgroup waited
+        phase_of = {}  # slot -> the "full" phase parity its block was waited with
         pending = [None]
         def turn():
             yield lambda: ring[w] > 0
@@ -167,21 +217,25 @@ def run(tiles, W, staged, seed, staged_buffers=3, cluster=1, mutation=None):
             if staged:
                 cta.store_reading[buf] += 1; c['unreleased'] = buf
         def take(kv, block):
-            st = block % 2
-            yield lambda: cta.full[kv][st].ready((block // 2) & 1)
+            st = block % stages
+            if kv == "K":  # the block's phase, for its V too
+                phase_of[block] = (block // stages) & 1 if by_use else blocks[st] & 1
+                blocks[st] += 1
+            yield lambda: cta.full[kv][st].ready(phase_of[block])
             stage = cta.stage[kv][st]
             if stage.block != block or stage.parts != cluster:
                 errors.append(f"CTA{cta.rank} wg{w} {kv} stage {st} holds block {stage.block} "
                               f"({stage.parts} of {cluster} parts), wants {block}")
         def release(kv, block):
-            cta.stage[kv][block % 2].released += 1
-            cta.empty[kv][block % 2].arrive()
+            cta.stage[kv][block % stages].released += 1
+            cta.empty[kv][block % stages].arrive()
         def last_pv_alone():
             yield from take("V", c['bc'] - 1)
             yield from turn()
             release("V", c['bc'] - 1)
             write_output(pending[0]); pending[0] = None
-        for ti, nblocks in enumerate(tiles):
+        for ti, counts in enumerate(tiles):
+            nblocks = counts[cta.rank]
             if nblocks == 0: continue
             fuse = staged and pending[0] is not None
             qb = c['qc'] % nbuf
@@ -190,11 +244,14 @@ def run(tiles, W, staged, seed, staged_buffers=3, cluster=1, mutation=None):
                 errors.append(f"CTA{cta.rank} wg{w} Q buffer {qb} holds {cta.qbuf_content[qb]}, "
                               f"wants {ti}")
             c['qc'] += 1
+            pending_block = c['bc'] - 1  # the pending tile's last block (fuse)
+            c['bc'] += max(counts) - nblocks  # the uses the producer passed
             for j in range(nblocks):
                 bc = c['bc']
+                prev = bc - 1 if j > 0 else pending_block
                 yield from take("K", bc)
                 with_pv = j > 0 or fuse
-                if with_pv: yield from take("V", bc - 1)
+                if with_pv: yield from take("V", prev)
                 yield from turn()
                 release_staged_q()
                 if cta.qbuf_content[qb] != ti:
@@ -202,7 +259,7 @@ def run(tiles, W, staged, seed, staged_buffers=3, cluster=1, mutation=None):
                                   f"{cta.qbuf_content[qb]}")
                 release("K", bc)
                 if not staged and j == nblocks - 1: cta.q_empty[0].arrive()
-                if with_pv: release("V", bc - 1)
+                if with_pv: release("V", prev)
                 if j == 0 and fuse: write_output(pending[0])
                 c['bc'] += 1
             pending[0] = qb
@@ -230,32 +287,40 @@ def run(tiles, W, staged, seed, staged_buffers=3, cluster=1, mutation=None):
             cta.running -= 1
     return errors
 
-def random_case(trial):
+def random_case(trial, cluster):
+    """Tiles of random lengths; in a cluster the pair's tiles end 0-2 key blocks apart, as
+    causal masking ends a band's two m-blocks (about half the trials), or together."""
     r = random.Random(trial)
-    tiles = [r.choice([0, 1, 1, 2, 3, 5]) for _ in range(r.randint(1, 9))]
-    return tiles, r.choice([2, 3]), r.choice([True, False])
+    causal = r.random() < 0.5
+    tiles = []
+    for _ in range(r.randint(1, 9)):
+        n = r.choice([0, 1, 1, 2, 3, 5])
+        counts = [n] + [max(1, n + r.choice([-2, -1, 0, 1, 2])) if n and causal else n
+                        for _ in range(cluster - 1)]
+        tiles.append(tuple(counts))
+    return tiles, r.choice([2, 3]), r.choice([True, False]), r.choice([2, 3])
 
 def first_symptom(mutation, symptom, trials=1000):
     """The first (trial, error) of random cluster trials under `mutation` that shows `symptom`."""
     for trial in range(trials):
-        tiles, W, staged = random_case(trial)
-        for error in run(tiles, W, staged, trial, cluster=2, mutation=mutation):
+        tiles, W, staged, stages = random_case(trial, 2)
+        for error in run(tiles, W, staged, trial, cluster=2, mutation=mutation, stages=stages):
             if symptom in error: return trial, error
     return None
 
 bad = 0
 for trial in range(int(sys.argv[1]) if len(sys.argv) > 1 else 20000):
-    tiles, W, staged = random_case(trial)
     cluster = 1 + trial % 2  # half the trials alone, half in clusters of two
-    errs = run(tiles, W, staged, trial, cluster=cluster)
+    tiles, W, staged, stages = random_case(trial, cluster)
+    errs = run(tiles, W, staged, trial, cluster=cluster, stages=stages)
     if errs:
         bad += 1
-        if bad < 5: print(trial, tiles, W, staged, cluster, errs[:3])
+        if bad < 5: print(trial, tiles, W, staged, cluster, stages, errs[:3])
 print("trials with errors:", bad)
 # The reason for the third buffer: with two, a one-block tile that takes the previous tile's PV
 # leaves its store unreleased until the next tile's first issue, which waits for a Q that the
 # producer can only load into that buffer.
-two_buffers_deadlock = "DEADLOCK" in run([2, 1, 2], 2, True, 0, staged_buffers=2)
+two_buffers_deadlock = "DEADLOCK" in run([(2,), (1,), (2,)], 2, True, 0, staged_buffers=2)
 print("two staged buffers, fused one-block tile:", "deadlock (as expected)" if two_buffers_deadlock
       else "NO DEADLOCK: the model no longer shows why three buffers are needed")
 # The cluster protocol's parts, each shown necessary by the error its mutation causes.
