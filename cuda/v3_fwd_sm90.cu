@@ -81,10 +81,10 @@ struct Config {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kConsumerWarpgroups = kConsumerWarpgroups_;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
-  // Head dim 64 (three fit beside three Q buffers; not at head dims 128 / 256): a third stage lets the CTA of a
-  // cluster that runs one block ahead of the other (causal, see produce_tile) still find the
-  // next block loaded; measured -1.3..-1.6% at T = 1024, +-0.1% elsewhere (docs/perf-notes-v3.md,
-  // session 17; without clusters it had measured +-0.3%, session 12).
+  // Head dim 64 (three fit beside three Q buffers; not at head dims 128 / 256): a third stage lets
+  // the CTA of a cluster that runs one block ahead of the other (causal, see produce_tile) still
+  // find the next block loaded; measured -1.3..-1.6% at T = 1024, +-0.1% elsewhere
+  // (docs/perf-notes-v3.md, session 17; without clusters it had measured +-0.3%, session 12).
   static constexpr int kStages = kHeadDim_ == 64 ? 3 : 2;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
   static constexpr bool kConditionalRescale = kConditionalRescale_;

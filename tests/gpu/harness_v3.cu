@@ -354,12 +354,12 @@ std::vector<Case> check_cases() {
   cs.push_back(Case{hf, 4, 512, 700, 8, 2, 128}.ragged({}, {700, 1, 0, 333}));
   cs.push_back(Case{bf, 4, 512, 300, 8, 2, 128}.ragged({512, 100, 0, 300}, {300, 300, 200, 1}));
   // ... and causal or with a right window (no left one; use_cluster: head dim 256, head dim 64's
-  // 128-row tile, head dim 128 from 4096 query rows): the pair's tiles end at different key blocks, which the
-  // longer one loads alone while the other passes the stage. Several units per CTA (256 cluster
-  // units) with a query length that leaves the higher m-block of a band without rows (masked
-  // beside the other); 6 m-blocks (3 bands: the last unit has no second tile), ragged; more
-  // query rows than keys at head dim 64; head dim 256's 80-key blocks (a band's m-blocks end
-  // one or two blocks apart); a right window alone.
+  // 128-row tile, head dim 128 from 4096 query rows): the pair's tiles end at different key blocks,
+  // which the longer one loads alone while the other passes the stage. Several units per CTA (256
+  // cluster units) with a query length that leaves the higher m-block of a band without rows
+  // (masked beside the other); 6 m-blocks (3 bands: the last unit has no second tile), ragged; more
+  // query rows than keys at head dim 64; head dim 256's 80-key blocks (a band's m-blocks end one or
+  // two blocks apart); a right window alone.
   cs.push_back(Case{bf, 4, 4096, 4096, 8, 2, 128, true}.ragged({4096, 2100, 1, 4096}, {}));
   cs.push_back(Case{bf, 3, 768, 768, 4, 2, 256, true}.ragged({768, 200, 300}, {768, 768, 100}));
   cs.push_back({hf, 1, 4352, 4000, 4, 4, 64, true});

@@ -2,25 +2,25 @@
 # mbarrier phases of the Q buffers and K / V stages, the pingpong ring of named barriers, the
 # fusion of a tile's last PV with the next tile's first S (into every tile, one-block ones too,
 # with three Q buffers), the release of a Q buffer after the output store staged in it, and
-# clusters of two CTAs (load_kv, exchange_release, pass_stage). In a cluster both CTAs run
-# tiles of the same bands, each with its own Q buffers, stages and barriers; each producer loads
-# half of every K / V block both tiles visit into the stage of both CTAs (TMA multicast: the half
-# completes transaction bytes on the "full" barrier of both, which expect the whole block), once
-# its own consumers released the stage and it has told the other CTA's producer so (a remote
-# arrival on its "peer" barrier) and heard the same from it. Under causal masking the two tiles
-# of a band end at different key blocks: the CTA of the longer one loads the blocks only it
-# visits whole into its own stage, and the other CTA passes those stage uses: its producer makes
-# the exchange alone, its consumers skip them, and neither touches the stage's "full" or "empty"
-# barriers, whose phases count blocks, not uses (StagePhases). One agent per role (a producer and W consumer warpgroups per CTA); per-warp
-# arrivals are folded into one per warpgroup; a K / V load lands as an event of its own (one per
-# half and CTA in a cluster, before or after the arrival that expects it), and so does a remote
-# arrival; a Q load lands at once; stores finish reading when released. Random tile sequences
-# (0 = empty tile: no Q, no turns) under random interleavings, alone and in clusters; reports
-# deadlocks, a pingpong barrier given two arrivals before its sync, a stage / buffer read while
-# it holds another block or tile (or half a block), a K / V part landing in a stage that its
-# CTA's consumers have not all released, a remote arrival or a landing in a CTA that has
-# exited, and a landing of a part whose issuing CTA has exited (the kernel has no cluster
-# barrier before exit: each producer ends with one more exchange per stage, run_producer).
+# clusters of two CTAs (load_kv, exchange_release, StagePhases). In a cluster both CTAs run tiles of
+# the same bands, each with its own Q buffers, stages and barriers; each producer loads half of
+# every K / V block both tiles visit into the stage of both CTAs (TMA multicast: the half completes
+# transaction bytes on the "full" barrier of both, which expect the whole block), once its own
+# consumers released the stage and it has told the other CTA's producer so (a remote arrival on its
+# "peer" barrier) and heard the same from it. Under causal masking the two tiles of a band end at
+# different key blocks: the CTA of the longer one loads the blocks only it visits whole into its own
+# stage, and the other CTA passes those stage uses: its producer makes the exchange alone, its
+# consumers skip them, and neither touches the stage's "full" or "empty" barriers, whose phases
+# count blocks, not uses (StagePhases). One agent per role (a producer and W consumer warpgroups per
+# CTA); per-warp arrivals are folded into one per warpgroup; a K / V load lands as an event of its
+# own (one per half and CTA in a cluster, before or after the arrival that expects it), and so does
+# a remote arrival; a Q load lands at once; stores finish reading when released. Random tile
+# sequences (0 = empty tile: no Q, no turns) under random interleavings, alone and in clusters;
+# reports deadlocks, a pingpong barrier given two arrivals before its sync, a stage / buffer read
+# while it holds another block or tile (or half a block), a K / V part landing in a stage that its
+# CTA's consumers have not all released, a remote arrival or a landing in a CTA that has exited, and
+# a landing of a part whose issuing CTA has exited (the kernel has no cluster barrier before exit:
+# each producer ends with one more exchange per stage, run_producer).
 #
 # Two or three K / V stages (Config::kStages: three at head dim 64).
 #
