@@ -336,11 +336,11 @@ __device__ bool decode_tile(const Params& p, int unit, bool second, Tile& t) {
 // Producer: one thread streams Q, then K_j and V_j for j from the last key block down
 // ------------------------------------------------------------------------------------------
 
-// The mbarrier phase parity of a K / V stage's use number `block` (uses counted over tiles):
-// the "peer" barriers' in a cluster, and alone the "full" and "empty" ones' too (StagePhases).
+// The mbarrier phase parity of a K / V stage's use `slot` (uses counted over tiles): the "peer"
+// barriers' in a cluster, and alone the "full" and "empty" ones' too (StagePhases).
 template <class Cfg>
-__device__ __forceinline__ uint32_t block_phase(int block) {
-  return uint32_t(block / Cfg::kStages) & 1;
+__device__ __forceinline__ uint32_t block_phase(int slot) {
+  return uint32_t(slot / Cfg::kStages) & 1;
 }
 
 // The phase parities of the K / V stages' "full" and "empty" barriers, by stage use (`slot`,

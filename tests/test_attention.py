@@ -36,9 +36,10 @@ FORWARD_CASES = [
     # long enough for v3's 128 x 192 head dim 128 tile (non-causal, >= 4096 rows, keys that
     # 192-key blocks do not pad more than 128-key ones: 384)
     Case(b=1, t=4096, s=384, n=2, k=1, h=128),
-    # v3 in clusters of two CTAs sharing K / V loads (no causal mask or window, an even number of
-    # 128-row m-blocks): GQA at head dims 64 and 128, keys not a multiple of the key block,
-    # sequence lengths (a tile without rows beside one with rows runs masked)
+    # v3 in clusters of two CTAs sharing K / V loads (an even number of 128-row m-blocks; these
+    # non-causal, the causal ones in test_v3_long_causal_rows_match_float64): GQA at head dims 64
+    # and 128, keys not a multiple of the key block, sequence lengths (a tile without rows beside
+    # one with rows runs masked)
     Case(b=2, t=256, s=300, n=4, k=2, h=128),
     Case(b=2, t=256, s=130, n=2, k=1, h=64),
     Case(b=1, t=512, s=200, n=2, k=2, h=256),

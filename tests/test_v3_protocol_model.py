@@ -3,7 +3,7 @@ boundaries, staged output stores, and the K / V multicast of a cluster of two CT
 model, tests/gpu/v3_fwd_protocol_model.py: random tile sequences under random interleavings, alone
 and in clusters, must neither deadlock nor overwrite a buffer in use; two staged Q buffers must
 still deadlock where the kernel relies on the third, and each mutation of the cluster's release
-exchange and "full" barriers must show the error it causes."""
+exchange, "full" barriers, lone loads and passed stage uses must show the error it causes."""
 import pathlib
 import subprocess
 import sys
