@@ -82,7 +82,20 @@ enum ConsumerEvent : int {
   kStored,          // output written: staged and its TMA store issued (head dim 256: stored)
   kConsumerEvents,
 };
-constexpr int kTileEvents = kConsumer + kMaxConsumers * kConsumerEvents;
+// Per steady-loop key block of a tile (its blocks 1 .. kLoggedBlocks after the first, in the
+// order run) and consumer warpgroup: where the pingpong turn and the GEMM waits fall.
+constexpr int kLoggedBlocks = 8;
+enum BlockEvent : int {
+  kBlockTurn = 0,  // the block's turn acquired (S_j and PV_{j+1} are issued in it)
+  kBlockScores,    // S_j's wait returned
+  // Only with -DJAX_FLASH_V3_FWD_TIMELINE_SOFTMAX: these two stamps keep ptxas from hoisting
+  // the PV wait above the softmax, so they measure a different schedule from the library's.
+  kBlockSoftmax,   // its softmax done
+  kBlockPvDone,    // PV_{j+1}'s wait returned
+  kBlockEvents,
+};
+constexpr int kConsumerBlocks = kConsumer + kMaxConsumers * kConsumerEvents;
+constexpr int kTileEvents = kConsumerBlocks + kMaxConsumers * kLoggedBlocks * kBlockEvents;
 constexpr int kEvents = kTiles + kTileSlots * kTileEvents;
 // The record of tile event e of the CTA's tile number `tile` (the kernel stamps it, the harness
 // reads it).
@@ -92,6 +105,10 @@ __host__ __device__ constexpr int tile_event(int tile, int e) {
 // The record of consumer event e of consumer warpgroup w in the CTA's tile number `tile`.
 __host__ __device__ constexpr int consumer_tile_event(int tile, int w, int e) {
   return tile_event(tile, kConsumer + w * kConsumerEvents + e);
+}
+// The record of block event e of steady block `block` (0-based) of that tile and warpgroup.
+__host__ __device__ constexpr int consumer_block_event(int tile, int w, int block, int e) {
+  return tile_event(tile, kConsumerBlocks + (w * kLoggedBlocks + block) * kBlockEvents + e);
 }
 }  // namespace v3_fwd_timeline
 

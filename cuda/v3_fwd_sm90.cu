@@ -189,7 +189,9 @@ struct Params {
 // TIMELINE_EVENT(event, record) stamps an event of the CTA; TIMELINE_TILE_EVENT(tile, e,
 // record) stamps event e of the CTA's tile number `tile` (non-empty tiles in the order the CTA
 // runs them: the producer's and each consumer's q_count); TIMELINE_CONSUMER_EVENT(c, tile, e)
-// stamps consumer event e of ConsumerState c's warpgroup; TIMELINE_TILE_SHAPE(tile, t) and
+// stamps consumer event e of ConsumerState c's warpgroup, TIMELINE_BLOCK_EVENT(c, tile, block, e)
+// its event e of steady block `block` (TIMELINE_SOFTMAX_EVENT: the two that change the schedule,
+// cuda/v3.h); TIMELINE_TILE_SHAPE(tile, t) and
 // TIMELINE_CTA_INFO(tiles, record) store value records. Without the macro they expand to
 // nothing, so the default build's code is unchanged. Every event of a non-empty tile is stamped
 // once per tile, so that a slot's record, overwritten by later tiles, ends up all of one tile.
@@ -206,6 +208,15 @@ namespace tl = v3_fwd_timeline;
   timeline::stamp(tl::tile_event(tile, tl::e), record)
 #define TIMELINE_CONSUMER_EVENT(c, tile, e) \
   timeline::stamp(tl::consumer_tile_event(tile, (c).warpgroup, tl::e), (c).leader)
+#define TIMELINE_BLOCK_EVENT(c, tile, block, e)                                               \
+  timeline::stamp(tl::consumer_block_event(tile, (c).warpgroup, min(block, tl::kLoggedBlocks - 1), \
+                                           tl::e),                                            \
+                  (c).leader && (block) < tl::kLoggedBlocks)
+#ifdef JAX_FLASH_V3_FWD_TIMELINE_SOFTMAX
+#define TIMELINE_SOFTMAX_EVENT(c, tile, block, e) TIMELINE_BLOCK_EVENT(c, tile, block, e)
+#else
+#define TIMELINE_SOFTMAX_EVENT(c, tile, block, e)
+#endif
 #define TIMELINE_TILE_SHAPE(tile, t)                                                          \
   timeline::store_values(tl::tile_event(tile, tl::kTileShape), (t).m_block, (t).n_max - (t).n_min, \
                          true)
@@ -215,6 +226,8 @@ namespace tl = v3_fwd_timeline;
 #define TIMELINE_EVENT(event, record)
 #define TIMELINE_TILE_EVENT(tile, e, record)
 #define TIMELINE_CONSUMER_EVENT(c, tile, e)
+#define TIMELINE_BLOCK_EVENT(c, tile, block, e)
+#define TIMELINE_SOFTMAX_EVENT(c, tile, block, e)
 #define TIMELINE_TILE_SHAPE(tile, t)
 #define TIMELINE_CTA_INFO(tiles, record)
 #endif
@@ -984,6 +997,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     mbarrier_wait(bars.v_full + 8 * prev, phases.taken(c.block_count - 1));
     phases.advance(c.block_count);
     issue_in_turn(c, [&] {
+      TIMELINE_BLOCK_EVENT(c, c.q_count - 1, t.n_max - 2 - nb, kBlockTurn);
       issue_qk<Cfg>(q_rows, qa, k_tile<Cfg>(smem, stage), s);
       wgmma_commit();
       issue_pv<Cfg>(pa, v_tile<Cfg>(smem, prev), o);
@@ -991,9 +1005,12 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     });
     release_staged_q<Cfg>(bars, c);  // the store issued in this tile's first block (fused)
     wgmma_wait<1>();  // S_j done, PV_{j+1} may still run
+    TIMELINE_BLOCK_EVENT(c, c.q_count - 1, t.n_max - 2 - nb, kBlockScores);
     take_scores<Cfg>(p, t, bars, c, stage, nb, row_lo, s);
     online_softmax<Cfg, false>(s, st, p.scale_log2, o_scale);
+    TIMELINE_SOFTMAX_EVENT(c, c.q_count - 1, t.n_max - 2 - nb, kBlockSoftmax);
     wgmma_wait<0>();
+    TIMELINE_SOFTMAX_EVENT(c, c.q_count - 1, t.n_max - 2 - nb, kBlockPvDone);
     take_output<Cfg>(bars, c, prev, o, pa);
     rescale_output<Cfg>(o, o_scale);
     accumulator_to_fragments<typename Cfg::Element>(s, pa);

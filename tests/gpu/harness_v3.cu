@@ -614,6 +614,46 @@ void print_tile_budget(const std::vector<FwdCtaTimeline>& all, int w) {
               "x per_blk\n");
 }
 
+// The steady key blocks of tile kind `kind` (CTAs of at least 4 tiles), per consumer warpgroup:
+// from each block's turn to its S wait's return ("S"), to its softmax's end ("softmax"), to the
+// return of the wait for the PV issued with it ("PV"), and on to the next block's turn ("to
+// turn"); "period" is turn to turn, and "after wg1" how long after wg1's turn of the same block
+// this warpgroup's came. Without the softmax stamps (builds without
+// -DJAX_FLASH_V3_FWD_TIMELINE_SOFTMAX, which keep the library's schedule), "to turn" runs from
+// the S wait's return. Medians over CTAs, us.
+void print_block_budget(const std::vector<FwdCtaTimeline>& all, int consumers, int kind) {
+  std::printf(" tile %s, steady key blocks (us, medians over CTAs):\n", kTimelineTileKindNames[kind]);
+  std::printf("  %-4s %5s %8s %8s %8s %8s %8s %9s\n", "wg", "block", "period", "S", "softmax", "PV",
+              "to turn", "after wg1");
+  for (int w = 0; w < consumers; ++w) {
+    for (int j = 0; j < tl::kLoggedBlocks; ++j) {
+      std::vector<double> period, s_wait, softmax, pv, to_turn, after;
+      for (const FwdCtaTimeline& t : all) {
+        if (t.tiles < kTimelineTileKinds || w >= t.consumers) continue;
+        const int k = t.tile_of_kind(kind);
+        if (j > t.key_blocks(k) - 2) continue;  // blocks past this tile's are an older tile's
+        const auto ev = [&](int ww, int jj, int e) { return tl::consumer_block_event(k, ww, jj, e); };
+        if (j > 0) period.push_back(t.ns(ev(w, j - 1, tl::kBlockTurn), ev(w, j, tl::kBlockTurn)));
+        s_wait.push_back(t.ns(ev(w, j, tl::kBlockTurn), ev(w, j, tl::kBlockScores)));
+        const bool stamped = t.has(ev(w, j, tl::kBlockSoftmax));  // TIMELINE_SOFTMAX builds
+        if (stamped) {
+          softmax.push_back(t.ns(ev(w, j, tl::kBlockScores), ev(w, j, tl::kBlockSoftmax)));
+          pv.push_back(t.ns(ev(w, j, tl::kBlockSoftmax), ev(w, j, tl::kBlockPvDone)));
+        }
+        if (j + 1 <= t.key_blocks(k) - 2 && j + 1 < tl::kLoggedBlocks) {
+          to_turn.push_back(t.ns(ev(w, j, stamped ? tl::kBlockPvDone : tl::kBlockScores),
+                                 ev(w, j + 1, tl::kBlockTurn)));
+        }
+        if (w > 0) after.push_back(t.ns(ev(0, j, tl::kBlockTurn), ev(w, j, tl::kBlockTurn)));
+      }
+      if (s_wait.empty()) continue;
+      std::printf("  wg%-2d %5d %s %s %s %s %s  %s\n", w + 1, j + 1, median_us(period).c_str(),
+                  median_us(s_wait).c_str(), median_us(softmax).c_str(), median_us(pv).c_str(),
+                  median_us(to_turn).c_str(), median_us(after).c_str());
+    }
+  }
+}
+
 // Each event of tile kind `kind` as time since that tile's start (consumer warpgroup w),
 // median p10 p90, with the producer's events of that tile and the next tile's first events.
 void print_tile_events(const std::vector<FwdCtaTimeline>& all, int w, int kind) {
@@ -706,6 +746,8 @@ bool summarize_timeline(const Case& c, const std::vector<uint64_t>& host, int64_
     if (w >= int(spread(consumers).p50)) break;
     print_tile_budget(all, w);
   }
+  for (int kind = 1; kind < kTimelineTileKinds - 1; ++kind)
+    print_block_budget(all, int(spread(consumers).p50), kind);
   for (int w = 0; w < tl::kMaxConsumers; ++w) {
     if (w >= int(spread(consumers).p50)) break;
     for (int kind = 0; kind < kTimelineTileKinds; ++kind) print_tile_events(all, w, kind);
