@@ -622,7 +622,8 @@ void print_tile_budget(const std::vector<FwdCtaTimeline>& all, int w) {
 // -DJAX_FLASH_V3_FWD_TIMELINE_SOFTMAX, which keep the library's schedule), "to turn" runs from
 // the S wait's return. Medians over CTAs, us.
 void print_block_budget(const std::vector<FwdCtaTimeline>& all, int consumers, int kind) {
-  std::printf(" tile %s, steady key blocks (us, medians over CTAs):\n", kTimelineTileKindNames[kind]);
+  std::printf(" tile %s, steady key blocks (us, medians over CTAs):\n",
+              kTimelineTileKindNames[kind]);
   std::printf("  %-4s %5s %8s %8s %8s %8s %8s %9s\n", "wg", "block", "period", "S", "softmax", "PV",
               "to turn", "after wg1");
   for (int w = 0; w < consumers; ++w) {
@@ -632,7 +633,9 @@ void print_block_budget(const std::vector<FwdCtaTimeline>& all, int consumers, i
         if (t.tiles < kTimelineTileKinds || w >= t.consumers) continue;
         const int k = t.tile_of_kind(kind);
         if (j > t.key_blocks(k) - 2) continue;  // blocks past this tile's are an older tile's
-        const auto ev = [&](int ww, int jj, int e) { return tl::consumer_block_event(k, ww, jj, e); };
+        const auto ev = [&](int ww, int jj, int e) {
+          return tl::consumer_block_event(k, ww, jj, e);
+        };
         if (j > 0) period.push_back(t.ns(ev(w, j - 1, tl::kBlockTurn), ev(w, j, tl::kBlockTurn)));
         s_wait.push_back(t.ns(ev(w, j, tl::kBlockTurn), ev(w, j, tl::kBlockScores)));
         const bool stamped = t.has(ev(w, j, tl::kBlockSoftmax));  // TIMELINE_SOFTMAX builds
