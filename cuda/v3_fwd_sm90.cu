@@ -349,6 +349,17 @@ __device__ bool decode_tile(const Params& p, int unit, bool second, Tile& t) {
 // Producer: one thread streams Q, then K_j and V_j for j from the last key block down
 // ------------------------------------------------------------------------------------------
 
+// The shared addresses of K / V stage `stage` (the producer's load targets, the consumers' GEMM
+// operands).
+template <class Cfg>
+__device__ __forceinline__ uint32_t k_tile(uint32_t smem, int stage) {
+  return smem + Cfg::kKOffset + stage * Cfg::kKVBytes;
+}
+template <class Cfg>
+__device__ __forceinline__ uint32_t v_tile(uint32_t smem, int stage) {
+  return smem + Cfg::kVOffset + stage * Cfg::kKVBytes;
+}
+
 // The mbarrier phase parity of a K / V stage's use `slot` (uses counted over tiles): the "peer"
 // barriers' in a cluster, and alone the "full" and "empty" ones' too (StagePhases).
 template <class Cfg>
@@ -461,8 +472,6 @@ __device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uin
   constexpr bool kCluster = Cfg::kClusterSize > 1;
   for (int nb = (kCluster ? t.n_lead() : t.n_max) - 1; nb >= t.n_min; --nb, ++block_count) {
     const int stage = block_count % Cfg::kStages;
-    const uint32_t k_dst = smem + Cfg::kKOffset + stage * Cfg::kKVBytes;
-    const uint32_t v_dst = smem + Cfg::kVOffset + stage * Cfg::kKVBytes;
     const bool alone = kCluster && nb >= t.n_peer;
     if (kCluster && nb >= t.n_max) {
       exchange_release<Cfg>(bars.k_peer + 8 * stage, block_phase<Cfg>(block_count));
@@ -472,7 +481,8 @@ __device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uin
 
     acquire_stage<Cfg>(bars.k_empty + 8 * stage, bars.k_peer + 8 * stage, block_count, phases);
     mbarrier_arrive_expect_tx(bars.k_full + 8 * stage, Cfg::kKVBytes);
-    load_kv<Cfg>(&p.tma_k, k_dst, bars.k_full + 8 * stage, nb, kv_head, t.batch, alone);
+    load_kv<Cfg>(&p.tma_k, k_tile<Cfg>(smem, stage), bars.k_full + 8 * stage, nb, kv_head,
+                 t.batch, alone);
     // One buffer: Q waits until every consumer warp released the last tile's, so the first K
     // goes ahead of it.
     if constexpr (Cfg::kQBuffers == 1) {
@@ -480,7 +490,8 @@ __device__ __forceinline__ void produce_tile(const Params& p, const Tile& t, uin
     }
     acquire_stage<Cfg>(bars.v_empty + 8 * stage, bars.v_peer + 8 * stage, block_count, phases);
     mbarrier_arrive_expect_tx(bars.v_full + 8 * stage, Cfg::kKVBytes);
-    load_kv<Cfg>(&p.tma_v, v_dst, bars.v_full + 8 * stage, nb, kv_head, t.batch, alone);
+    load_kv<Cfg>(&p.tma_v, v_tile<Cfg>(smem, stage), bars.v_full + 8 * stage, nb, kv_head,
+                 t.batch, alone);
     phases.advance(block_count);
     TIMELINE_TILE_EVENT(q_count - 1, kFirstKvIssued, nb == t.n_max - 1);
     TIMELINE_TILE_EVENT(q_count - 1, kLastKvIssued, nb == t.n_min);
@@ -767,15 +778,6 @@ struct PendingTile {
   FinishedTile f;
   bool valid;
 };
-
-template <class Cfg>
-__device__ __forceinline__ uint32_t k_tile(uint32_t smem, int stage) {
-  return smem + Cfg::kKOffset + stage * Cfg::kKVBytes;
-}
-template <class Cfg>
-__device__ __forceinline__ uint32_t v_tile(uint32_t smem, int stage) {
-  return smem + Cfg::kVOffset + stage * Cfg::kKVBytes;
-}
 
 // The output of this warpgroup's 64 rows (in its rows of the tile's Q buffer, which no S GEMM
 // of this warpgroup reads any more) goes to shared memory in the layout TMA loaded Q in, then one
