@@ -54,6 +54,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 #include <utility>
 
@@ -1169,8 +1170,22 @@ struct ConfigFor<Element, 256, TileShape::kStandard, C, R, E> {
 // (a diagonal block of 192 keys wastes 64 more per tile, which only long tiles hide: measured
 // -2.2..-2.4% at T = 16384), where its last, partial key block pads the keys by at most 1% more
 // than 128-key blocks do.
+#ifdef JAX_FLASH_V3_TUNING_VARIANTS
+// Measurement builds: JAX_FLASH_V3_TILE (0 standard, 1 the head dim's alternative) and
+// JAX_FLASH_V3_CLUSTER (1 alone, 2 in pairs where allowed) override the choices below.
+int dispatch_override(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::atoi(v) : -1;
+}
+#endif
+
 TileShape use_tile(const ForwardArgs& a) {
   const MaskSpec& m = a.spec;
+#ifdef JAX_FLASH_V3_TUNING_VARIANTS
+  const int forced = dispatch_override("JAX_FLASH_V3_TILE");
+  if (forced == 0 || (forced == 1 && a.shape.head_dim == 256)) return TileShape::kStandard;
+  if (forced == 1) return a.shape.head_dim == 64 ? TileShape::kTall : TileShape::kWide;
+#endif
   const bool causal_like = m.is_causal || m.window_right >= 0;
   const int64_t t = a.shape.q_len, s = a.shape.kv_len;
   if (a.shape.head_dim == 64)
@@ -1198,6 +1213,10 @@ bool use_cluster(const ForwardArgs& a, int block_m) {
   const MaskSpec& m = a.spec;
   const int64_t m_blocks = (a.shape.q_len + block_m - 1) / block_m;
   if (m.window_left >= 0 || m_blocks % 2 != 0) return false;
+#ifdef JAX_FLASH_V3_TUNING_VARIANTS
+  const int forced = dispatch_override("JAX_FLASH_V3_CLUSTER");
+  if (forced == 1 || forced == 2) return forced == 2;
+#endif
   const bool causal_like = m.is_causal || m.window_right >= 0;
   if (!causal_like || a.shape.head_dim == 256) return true;
   return a.shape.head_dim == 64 ? block_m == 128 : a.shape.q_len >= 4096;
