@@ -9,6 +9,7 @@
 //          for every compiled tuning variant
 //   --bench-one H T causal  the same for one grid config
 //   --bench-shape B T N K H causal  the same for any bf16 shape with S = T
+//   --bench-cross B T S N K H  the same, non-causal, with its own key length S
 //   --settled  (before the modes) every timing as the library bench's settled loop: clocks of
 //          the sustained, power-capped run instead of boost (harness_v3_case.h, Timing)
 //   --default-tuning  (before the modes) bench modes time the library default tuning only
@@ -793,7 +794,7 @@ bool timeline(const Case& c, const char* csv_path, int sm_count) {
 
 constexpr const char* kUsage =
     "usage: %s [--settled] [--default-tuning] [check] [small] [bench] [--bench-one H T causal]\n"
-    "       [--bench-shape B T N K H causal]\n"
+    "       [--bench-shape B T N K H causal] [--bench-cross B T S N K H]\n"
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
     "       [--timeline H T causal [records.csv]]\n"
 #endif
@@ -840,6 +841,12 @@ int main(int argc, char** argv) {
       // Any bf16 shape, S = T: B T N K H causal (GQA, e.g. the example model's training shape).
       const auto arg = [&](int k) { return std::atoll(argv[i + k]); };
       const Case c{DType::kBF16, arg(1), arg(2), arg(2), arg(3), arg(4), arg(5), arg(6) != 0};
+      i += 6;
+      ok &= bench({c}, 10);
+    } else if (mode == "--bench-cross" && i + 6 < argc) {
+      // Any bf16 non-causal shape with its own key length: B T S N K H.
+      const auto arg = [&](int k) { return std::atoll(argv[i + k]); };
+      const Case c{DType::kBF16, arg(1), arg(2), arg(3), arg(4), arg(5), arg(6), false};
       i += 6;
       ok &= bench({c}, 10);
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
