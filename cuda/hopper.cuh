@@ -504,16 +504,18 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// A [batch, rows, heads, head_dim] row-major tensor read in boxes of 64 columns x box_rows rows
-// of one head, 128-byte swizzled; rows past the end read as zeros.
+// Rows [0, rows) of a [batch, batch_rows, heads, head_dim] row-major tensor (data: its first
+// row), read in boxes of 64 columns x box_rows rows of one head, 128-byte swizzled; rows past
+// `rows` read as zeros and are not written.
 inline bool encode_tensor_map(CUtensorMap* map, const void* data, DType dtype, int64_t batch,
-                              int64_t rows, int64_t heads, int64_t head_dim, int box_rows) {
+                              int64_t rows, int64_t batch_rows, int64_t heads, int64_t head_dim,
+                              int box_rows) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(rows), cuuint64_t(heads),
                               cuuint64_t(batch)};
   const cuuint64_t strides[3] = {cuuint64_t(heads * head_dim * 2), cuuint64_t(head_dim * 2),
-                                 cuuint64_t(rows * heads * head_dim * 2)};
+                                 cuuint64_t(batch_rows * heads * head_dim * 2)};
   const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   const CUresult r = encode(
@@ -523,6 +525,12 @@ inline bool encode_tensor_map(CUtensorMap* map, const void* data, DType dtype, i
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
+}
+
+// The whole [batch, rows, heads, head_dim] tensor.
+inline bool encode_tensor_map(CUtensorMap* map, const void* data, DType dtype, int64_t batch,
+                              int64_t rows, int64_t heads, int64_t head_dim, int box_rows) {
+  return encode_tensor_map(map, data, dtype, batch, rows, rows, heads, head_dim, box_rows);
 }
 
 struct DeviceInfo {

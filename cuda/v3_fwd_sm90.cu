@@ -165,6 +165,9 @@ struct Params {
   const int32_t* q_seqlens;   // may be null: all T rows valid
   const int32_t* kv_seqlens;  // may be null: all S keys valid
   int q_len, kv_len, num_heads;
+  // Rows per batch element of q / out / lse: q_len, or more where this launch runs a range of
+  // each sequence's rows (QueryRows; q, out and lse then start at the range's first row).
+  int batch_rows;
   float scale_log2;   // exponent scale (log2 units) applied to the possibly capped score
   float softcap;      // 0 = off
   float softcap_inv;  // scale / softcap
@@ -679,7 +682,7 @@ __device__ __forceinline__ FinishedTile finish_tile(const Params& p, const Tile&
                                                     const Lane& lane, const RowStats& st,
                                                     int q_buffer) {
   FinishedTile f = {row_lo, t.head, t.batch, q_buffer, {}};
-  float* const lse_rows = p.lse + (int64_t(t.batch) * p.num_heads + t.head) * p.q_len;
+  float* const lse_rows = p.lse + (int64_t(t.batch) * p.num_heads + t.head) * p.batch_rows;
   float sum[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) sum[r] = quad_sum(st.sum[r]);
@@ -734,7 +737,8 @@ __device__ __forceinline__ void store_output(const Params& p, const FinishedTile
     const int q = f.row_lo + lane.row0 + 8 * r;
     const float inv_sum = f.inv_sum[r];
     Element* out_row = static_cast<Element*>(p.out) +
-                       ((int64_t(f.batch) * p.q_len + q) * p.num_heads + f.head) * Cfg::kHeadDim;
+                       ((int64_t(f.batch) * p.batch_rows + q) * p.num_heads + f.head) *
+                           Cfg::kHeadDim;
 #pragma unroll
     for (int g = 0; g < Cfg::kHeadDim / 32; ++g) {  // 32 columns: 4 chunks of 8
       uint32_t w[4];
@@ -1137,7 +1141,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
 // ------------------------------------------------------------------------------------------
 
 // Tile shapes per head dim (FlashAttention-3's choices where they fit this kernel's layout),
-// and the alternatives that use_tile picks by sequence length and masking:
+// and the alternatives that alternative_rows picks by sequence length and masking:
 //   kTall: head dim 64, 192 x 128 (three consumer warpgroups);
 //   kWide: head dim 128, 128 x 192: each key block's fixed cost (row-max reductions, pingpong
 //          hand-offs, wgmma waits) spread over 1.5x the keys; one Q buffer (next to two 192-key
@@ -1163,13 +1167,6 @@ struct ConfigFor<Element, 256, TileShape::kStandard, C, R, E> {
   using type = Config<Element, 256, 80, 2, R, E, C>;
 };
 
-// Head dim 64: the 192-row tile is faster on long sequences (T = 16384: +19% non-causal, +10%
-// causal) and slower on short or causal ones, where its partial and diagonal tiles waste more
-// (T = 1024 causal: -13%); measured in docs/perf-notes-v3.md. Head dim 128: the wide tile on
-// long sequences without a left window, from 4096 rows on, or from 16384 under causal masking
-// (a diagonal block of 192 keys wastes 64 more per tile, which only long tiles hide: measured
-// -2.2..-2.4% at T = 16384), where its last, partial key block pads the keys by at most 1% more
-// than 128-key blocks do.
 #ifdef JAX_FLASH_V3_TUNING_VARIANTS
 // Measurement builds: JAX_FLASH_V3_TILE (0 standard, 1 the head dim's alternative) and
 // JAX_FLASH_V3_CLUSTER (1 alone, 2 in pairs where allowed) override the choices below.
@@ -1179,23 +1176,63 @@ int dispatch_override(const char* name) {
 }
 #endif
 
-TileShape use_tile(const ForwardArgs& a) {
+// A range of every sequence's query rows that one launch runs: [begin, begin + count).
+struct QueryRows {
+  int64_t begin;
+  int64_t count;
+};
+
+// Whether a launch may run a range of the query rows that does not start at row 0: where a row's
+// result does not depend on its position (no causal mask or window, no query lengths).
+bool rows_are_interchangeable(const ForwardArgs& a) {
   const MaskSpec& m = a.spec;
-#ifdef JAX_FLASH_V3_TUNING_VARIANTS
-  const int forced = dispatch_override("JAX_FLASH_V3_TILE");
-  if (forced == 0 || (forced == 1 && a.shape.head_dim == 256)) return TileShape::kStandard;
-  if (forced == 1) return a.shape.head_dim == 64 ? TileShape::kTall : TileShape::kWide;
-#endif
+  return !m.is_causal && m.window_left < 0 && m.window_right < 0 && a.q_seqlens == nullptr;
+}
+
+// Head dim 64 where rows_are_interchangeable: the rows of each sequence that run on the 192-row
+// tile, the rest running on the 128-row tile in a second launch. The tall tile is faster per row
+// (harness, settled: by 8% at T = 1024, 19% at T = 16384), but ceil(T / 192) tall tiles pad
+// T = 1024 by 12.5% and T = 4096 by 3%. The largest even number of them that fits leaves rows
+// that whole 128-row tiles cover where T is a multiple of 128 (1024 = 4 x 192 + 2 x 128).
+// Measured (docs/perf-notes-v3.md, session 19): -4.5% time at T = 1024 and -4.4% at T = 4096
+// against one launch of the better tile; +2.5% at T = 16384 with B = 1, where the 128-row part
+// (64 tiles) does not fill the GPU, so there the tall tile runs alone, as below 1024 rows (not
+// measured) the 128-row one does.
+int64_t tall_rows_of_split(const ForwardArgs& a, int sm_count) {
+  const int64_t t = a.shape.q_len;
+  if (t < 1024) return 0;
+  const int64_t tall = 192 * (2 * (t / 384));
+  const int64_t standard_tiles = (t - tall + 127) / 128;
+  if (standard_tiles == 0) return t;
+  if (a.shape.batch * a.shape.num_heads * standard_tiles < sm_count) return t >= 2048 ? t : 0;
+  return tall;
+}
+
+// How many leading rows of every sequence run on the head dim's alternative tile; the rest run on
+// its standard tile (a second launch where both parts have rows).
+// Head dim 64: the 192-row tile is faster on long sequences (T = 16384: +19% non-causal, +10%
+// causal) and slower on short or causal ones, where its partial and diagonal tiles waste more
+// (T = 1024 causal: -13%); measured in docs/perf-notes-v3.md. Head dim 128: the wide tile on
+// long sequences without a left window, from 4096 rows on, or from 16384 under causal masking
+// (a diagonal block of 192 keys wastes 64 more per tile, which only long tiles hide: measured
+// -2.2..-2.4% at T = 16384), where its last, partial key block pads the keys by at most 1% more
+// than 128-key blocks do.
+int64_t alternative_rows(const ForwardArgs& a, int sm_count) {
+  const MaskSpec& m = a.spec;
   const bool causal_like = m.is_causal || m.window_right >= 0;
   const int64_t t = a.shape.q_len, s = a.shape.kv_len;
-  if (a.shape.head_dim == 64)
-    return t >= (causal_like ? 8192 : 2048) ? TileShape::kTall : TileShape::kStandard;
-  if (a.shape.head_dim != 128 || m.window_left >= 0 || t < (causal_like ? 16384 : 4096))
-    return TileShape::kStandard;
+#ifdef JAX_FLASH_V3_TUNING_VARIANTS
+  const int forced = dispatch_override("JAX_FLASH_V3_TILE");
+  if (forced == 0 || (forced == 1 && a.shape.head_dim == 256)) return 0;
+  if (forced == 1) return t;
+#endif
+  if (a.shape.head_dim == 64) {
+    if (rows_are_interchangeable(a)) return tall_rows_of_split(a, sm_count);
+    return t >= (causal_like ? 8192 : 2048) ? t : 0;
+  }
+  if (a.shape.head_dim != 128 || m.window_left >= 0 || t < (causal_like ? 16384 : 4096)) return 0;
   const auto padded = [s](int64_t n) { return (s + n - 1) / n * n; };
-  return padded(kWideBlockN) * 100 <= padded(128) * 101
-             ? TileShape::kWide
-             : TileShape::kStandard;
+  return padded(kWideBlockN) * 100 <= padded(128) * 101 ? t : 0;
 }
 
 // Clusters of two CTAs sharing each K / V block (Config::kClusterSize): measured (harness,
@@ -1209,9 +1246,9 @@ TileShape use_tile(const ForwardArgs& a) {
 // Where both m-blocks of a band start at the same key block (no left window; causal and right
 // windows end them apart, see produce_tile) and the m-blocks come in whole bands (an even
 // number: a band never straddles two heads). Query lengths are fine (decode_tile).
-bool use_cluster(const ForwardArgs& a, int block_m) {
+bool use_cluster(const ForwardArgs& a, QueryRows rows, int block_m) {
   const MaskSpec& m = a.spec;
-  const int64_t m_blocks = (a.shape.q_len + block_m - 1) / block_m;
+  const int64_t m_blocks = (rows.count + block_m - 1) / block_m;
   if (m.window_left >= 0 || m_blocks % 2 != 0) return false;
 #ifdef JAX_FLASH_V3_TUNING_VARIANTS
   const int forced = dispatch_override("JAX_FLASH_V3_CLUSTER");
@@ -1219,7 +1256,7 @@ bool use_cluster(const ForwardArgs& a, int block_m) {
 #endif
   const bool causal_like = m.is_causal || m.window_right >= 0;
   if (!causal_like || a.shape.head_dim == 256) return true;
-  return a.shape.head_dim == 64 ? block_m == 128 : a.shape.q_len >= 4096;
+  return a.shape.head_dim == 64 ? block_m == 128 : rows.count >= 4096;
 }
 
 // The CTAs of a persistent forward grid: at most one per SM and per unit; in clusters of two, as
@@ -1261,31 +1298,38 @@ struct DefaultTuning {
 timeline::Buffer timeline_buffer;  // V3ForwardSetTimeline
 #endif
 
+// Runs query rows `rows` of every sequence (all of them, or a range where
+// rows_are_interchangeable: the launch sees q, out and lse from the range's first row on).
 template <class Cfg>
-cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
+cudaError_t launch(const ForwardArgs& a, QueryRows rows, int sm_count, cudaStream_t stream) {
   const AttentionShape& sh = a.shape;
+  if (rows.begin != 0 && !rows_are_interchangeable(a)) return cudaErrorInvalidValue;
+  const int64_t row_offset = rows.begin * sh.num_heads * sh.head_dim;  // elements of q / out
+  const void* q = static_cast<const uint16_t*>(a.q) + row_offset;
+  void* out = static_cast<uint16_t*>(a.out) + row_offset;
   Params p;
-  if (!encode_tensor_map(&p.tma_q, a.q, a.dtype, sh.batch, sh.q_len, sh.num_heads, sh.head_dim,
-                         Cfg::kBlockM) ||
+  if (!encode_tensor_map(&p.tma_q, q, a.dtype, sh.batch, rows.count, sh.q_len, sh.num_heads,
+                         sh.head_dim, Cfg::kBlockM) ||
       !encode_tensor_map(&p.tma_k, a.k, a.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
                          sh.head_dim, Cfg::kKVBoxRows) ||
       !encode_tensor_map(&p.tma_v, a.v, a.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
                          sh.head_dim, Cfg::kKVBoxRows) ||
-      (Cfg::kStageOutput && !encode_tensor_map(&p.tma_o, a.out, a.dtype, sh.batch, sh.q_len,
-                                               sh.num_heads, sh.head_dim, 64))) {
+      (Cfg::kStageOutput && !encode_tensor_map(&p.tma_o, out, a.dtype, sh.batch, rows.count,
+                                               sh.q_len, sh.num_heads, sh.head_dim, 64))) {
     return cudaErrorInvalidValue;
   }
-  p.out = a.out;
-  p.lse = a.lse;
+  p.out = out;
+  p.lse = a.lse + rows.begin;
   p.q_seqlens = a.q_seqlens;
   p.kv_seqlens = a.kv_seqlens;
-  p.q_len = int(sh.q_len);
+  p.q_len = int(rows.count);
+  p.batch_rows = int(sh.q_len);
   p.kv_len = int(sh.kv_len);
   p.num_heads = int(sh.num_heads);
   const int heads_per_kv = int(sh.num_heads / sh.num_kv_heads);
   const MaskSpec& spec = a.spec;
   set_score_params(p, spec);
-  p.num_m_blocks = int((sh.q_len + Cfg::kBlockM - 1) / Cfg::kBlockM);
+  p.num_m_blocks = int((rows.count + Cfg::kBlockM - 1) / Cfg::kBlockM);
   // Causal without a left window: a tile's cost grows with its m-block; pair them up.
   p.pair_m_blocks = p.window_right >= 0 && p.window_left < 0;
   // In clusters, pairs of bands (decode_tile); use_cluster: an even number of m-blocks.
@@ -1322,7 +1366,7 @@ cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
   config.gridDim = dim3(grid);
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
   if (!timeline_buffer.fits(grid)) return cudaErrorInvalidValue;
-  p.timeline = timeline_buffer.records;
+  p.timeline = rows.begin == 0 ? timeline_buffer.records : nullptr;  // a split's first launch
 #endif
   return cudaLaunchKernelEx(&config, kernel, p);
 }
@@ -1330,13 +1374,13 @@ cudaError_t launch(const ForwardArgs& a, int sm_count, cudaStream_t stream) {
 // Launches the instantiation of (Element, kHeadDim, kTile) compiled for `tuning`: the head
 // dim's default, plus (bf16, JAX_FLASH_V3_TUNING_VARIANTS builds) every switch combination.
 template <typename Element, int kHeadDim, TileShape kTile, int kCluster>
-cudaError_t launch_tuned(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
-                         cudaStream_t stream) {
+cudaError_t launch_tuned(const ForwardArgs& a, QueryRows rows, const V3Tuning& tuning,
+                         int sm_count, cudaStream_t stream) {
   using D = DefaultTuning<kHeadDim>;
   if (tuning == D::value()) {
     using Cfg = typename ConfigFor<Element, kHeadDim, kTile, kCluster, D::kConditionalRescale,
                                    D::kExp2EmulationPeriod>::type;
-    return launch<Cfg>(a, sm_count, stream);
+    return launch<Cfg>(a, rows, sm_count, stream);
   }
 #ifdef JAX_FLASH_V3_TUNING_VARIANTS
   constexpr int kPeriod = 4;  // the emulation period tests/gpu/harness_v3.cu measures
@@ -1348,15 +1392,15 @@ cudaError_t launch_tuned(const ForwardArgs& a, const V3Tuning& tuning, int sm_co
     constexpr int C = kCluster;
     if (tuning.conditional_rescale && emulated)
       return launch<typename ConfigFor<Element, kHeadDim, kTile, C, true, kPeriod>::type>(
-          a, sm_count, stream);
+          a, rows, sm_count, stream);
     if (tuning.conditional_rescale)
-      return launch<typename ConfigFor<Element, kHeadDim, kTile, C, true, 0>::type>(a, sm_count,
-                                                                                  stream);
+      return launch<typename ConfigFor<Element, kHeadDim, kTile, C, true, 0>::type>(
+          a, rows, sm_count, stream);
     if (emulated)
       return launch<typename ConfigFor<Element, kHeadDim, kTile, C, false, kPeriod>::type>(
-          a, sm_count, stream);
-    return launch<typename ConfigFor<Element, kHeadDim, kTile, C, false, 0>::type>(a, sm_count,
-                                                                                 stream);
+          a, rows, sm_count, stream);
+    return launch<typename ConfigFor<Element, kHeadDim, kTile, C, false, 0>::type>(
+        a, rows, sm_count, stream);
   }
 #endif
   return cudaErrorNotSupported;
@@ -1364,24 +1408,32 @@ cudaError_t launch_tuned(const ForwardArgs& a, const V3Tuning& tuning, int sm_co
 
 // The tile in clusters of two where use_cluster allows, else alone.
 template <typename Element, int kHeadDim, TileShape kTile>
-cudaError_t launch_clustered(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
-                             cudaStream_t stream) {
+cudaError_t launch_clustered(const ForwardArgs& a, QueryRows rows, const V3Tuning& tuning,
+                             int sm_count, cudaStream_t stream) {
   using D = DefaultTuning<kHeadDim>;
   using Cfg = typename ConfigFor<Element, kHeadDim, kTile, 1, D::kConditionalRescale,
                                  D::kExp2EmulationPeriod>::type;
-  return use_cluster(a, Cfg::kBlockM)
-             ? launch_tuned<Element, kHeadDim, kTile, 2>(a, tuning, sm_count, stream)
-             : launch_tuned<Element, kHeadDim, kTile, 1>(a, tuning, sm_count, stream);
+  return use_cluster(a, rows, Cfg::kBlockM)
+             ? launch_tuned<Element, kHeadDim, kTile, 2>(a, rows, tuning, sm_count, stream)
+             : launch_tuned<Element, kHeadDim, kTile, 1>(a, rows, tuning, sm_count, stream);
 }
 
-// The head dim's standard tile, or its alternative where use_tile picks that.
+// The head dim's alternative tile for the rows alternative_rows gives it, its standard tile for
+// the rest.
 template <typename Element, int kHeadDim, TileShape kAlternative>
 cudaError_t launch_tile(const ForwardArgs& a, const V3Tuning& tuning, int sm_count,
                         cudaStream_t stream) {
-  return use_tile(a) == kAlternative
-             ? launch_clustered<Element, kHeadDim, kAlternative>(a, tuning, sm_count, stream)
-             : launch_clustered<Element, kHeadDim, TileShape::kStandard>(a, tuning, sm_count,
-                                                                        stream);
+  const int64_t t = a.shape.q_len, alternative = alternative_rows(a, sm_count);
+  if (alternative == t) {
+    return launch_clustered<Element, kHeadDim, kAlternative>(a, {0, t}, tuning, sm_count, stream);
+  }
+  if (alternative > 0) {
+    const cudaError_t err = launch_clustered<Element, kHeadDim, kAlternative>(
+        a, {0, alternative}, tuning, sm_count, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return launch_clustered<Element, kHeadDim, TileShape::kStandard>(
+      a, {alternative, t - alternative}, tuning, sm_count, stream);
 }
 
 template <typename Element>
@@ -1391,7 +1443,8 @@ cudaError_t dispatch_head_dim(const ForwardArgs& a, const V3Tuning& tuning, int 
     case 64: return launch_tile<Element, 64, TileShape::kTall>(a, tuning, sm_count, stream);
     case 128: return launch_tile<Element, 128, TileShape::kWide>(a, tuning, sm_count, stream);
     case 256:
-      return launch_clustered<Element, 256, TileShape::kStandard>(a, tuning, sm_count, stream);
+      return launch_clustered<Element, 256, TileShape::kStandard>(a, {0, a.shape.q_len}, tuning,
+                                                                  sm_count, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -33,6 +33,9 @@ FORWARD_CASES = [
     Case(b=1, t=40, s=1100, n=2, k=2, h=64, is_causal=True),
     # long enough for v3's 192-row head dim 64 tile (non-causal, >= 2048 rows)
     Case(b=1, t=2100, s=2100, n=2, k=1, h=64),
+    # ... and its rows split between the 192-row tile (rows [0, 768)) and the 128-row tile (the
+    # rest, a second launch) from 1024 rows on, where 44 heads x 3 128-row tiles fill an H200
+    Case(b=1, t=1100, s=200, n=44, k=4, h=64),
     # long enough for v3's 128 x 192 head dim 128 tile (non-causal, >= 4096 rows, keys that
     # 192-key blocks do not pad more than 128-key ones: 384)
     Case(b=1, t=4096, s=384, n=2, k=1, h=128),
@@ -172,7 +175,7 @@ def test_v3_long_causal_rows_match_float64(t, h, rng):
   """v3 under causal masking on long sequences, too long for the whole-matrix reference: rows at
   the start, the middle and the end against a float64 reference of those rows. These shapes run
   in clusters of two CTAs (use_cluster in cuda/v3_fwd_sm90.cu), whose longer tile of a band loads
-  its last key blocks alone; 16384 rows at head dim 128 on the wide tile (use_tile)."""
+  its last key blocks alone; 16384 rows at head dim 128 on the wide tile (alternative_rows)."""
   case = Case(b=1, t=t, s=t, n=1, k=1, h=h, dtype="bfloat16", is_causal=True)
   _require("v3", case)
   x = make_inputs(case, rng)

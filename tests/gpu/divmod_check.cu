@@ -82,6 +82,7 @@ void check_every_dividend(int64_t d) {
 struct Layout {
   int64_t batch, num_heads, num_kv_heads, seq_len, head_dim, block_m;
   bool causal;
+  int64_t kv_len = 0;  // 0: seq_len (a launch of a range of the query rows has more keys)
 
   int units_per_head() const {
     const int m_blocks = int((seq_len + block_m - 1) / block_m);
@@ -97,7 +98,8 @@ int64_t check_layout(const Layout& l) {
   const int batch_heads = l.batch_heads(), num_heads = int(l.num_heads);
   const int heads_per_kv = int(l.num_heads / l.num_kv_heads);
   const UnitGroups g =
-      UnitGroups::of(l.units_per_head(), batch_heads, heads_per_kv, l.seq_len, l.head_dim);
+      UnitGroups::of(l.units_per_head(), batch_heads, heads_per_kv,
+                     l.kv_len > 0 ? l.kv_len : l.seq_len, l.head_dim);
   const int heads_per_group = int(g.group_heads.divisor);
   const int per_group = l.units_per_head() * heads_per_group;
   const DivMod heads_of_pair(num_heads), kv_heads(heads_per_kv);
@@ -159,14 +161,22 @@ int main() {
     std::printf("every n: d = %lld\n", (long long)d);
   }
 
-  // BENCHMARK.md's grid: bf16, B T = 16384, N H = 2048, K = N; the block rows launch() uses
-  // (head dim 64: 192 from T = 2048 non-causal and T = 8192 causal; use_tile, v3_fwd_sm90.cu).
+  // BENCHMARK.md's grid: bf16, B T = 16384, N H = 2048, K = N; the launches' block rows
+  // (alternative_rows, v3_fwd_sm90.cu; 132 SMs): head dim 64 runs the 192-row tile from T = 8192
+  // causal and T = 16384 non-causal, and non-causal T = 1024 / 4096 as two launches, the first
+  // 768 / 3840 rows on the 192-row tile and the last 256 on the 128-row one.
   count = 0;
   for (int64_t h : {64, 128, 256})
     for (int64_t t : {1024, 4096, 16384})
       for (bool causal : {false, true}) {
+        const int64_t b = 16384 / t, n = 2048 / h;
+        if (h == 64 && !causal && t < 16384) {
+          count += check_layout({b, n, n, t - 256, h, 192, false, t});
+          count += check_layout({b, n, n, 256, h, 128, false, t});
+          continue;
+        }
         const bool tall = h == 64 && t >= (causal ? 8192 : 2048);
-        count += check_layout({16384 / t, 2048 / h, 2048 / h, t, h, tall ? 192 : 128, causal});
+        count += check_layout({b, n, n, t, h, tall ? 192 : 128, causal});
       }
   // GQA, a last group of one head, a single group, odd lengths.
   count += check_layout({3, 48, 6, 3000, 128, 128, true});

@@ -3,7 +3,7 @@
 //   check  correctness on small and odd shapes against a float64 CPU reference (every row),
 //          for every compiled tuning variant; outputs poisoned first; run twice, compared
 //          bitwise (a difference between identical runs is a race)
-//   small  nine small cases (for compute-sanitizer), two with several tiles per CTA
+//   small  ten small cases (for compute-sanitizer), two with several tiles per CTA
 //   bench  the 18 configs of /work/shared/BENCHMARK.md: a float64 check of sampled rows plus a
 //          NaN scan of every output, then cudaEvent timings (median of repeats) in TFLOP/s,
 //          for every compiled tuning variant
@@ -312,9 +312,14 @@ std::vector<Case> check_cases() {
   cs.push_back({bf, 1, 2048, 2048, 4, 4, 128, true});
   cs.push_back({bf, 2, 700, 1500, 2, 2, 256});
   cs.push_back({hf, 1, 1024, 1024, 4, 4, 64, true});
-  // Head dim 64 from these lengths on runs the 192-row tile (use_tile in the kernel).
+  // Head dim 64 from these lengths on runs the 192-row tile (alternative_rows in the kernel).
   cs.push_back({bf, 1, 2100, 2100, 2, 1, 64});
   cs.push_back({hf, 1, 8200, 8200, 1, 1, 64, true});
+  // ... and from 1024 rows on, non-causal, where the 128-row tiles of the rest fill 132 SMs, the
+  // rows split: [0, 768) on the 192-row tile, the rest on the 128-row tile (a second launch; the
+  // last of its tiles partial in the second case, whose key lengths mask batch 1).
+  cs.push_back({bf, 1, 1024, 128, 66, 66, 64});
+  cs.push_back(Case{hf, 2, 1100, 200, 22, 2, 64}.ragged({}, {200, 77}));
   // More work units than SMs, so that every CTA runs several tiles: the two-buffer Q ring wraps
   // (its phases flip, outputs are stored by TMA from a buffer the producer refills two tiles
   // later), and q_seqlens put empty tiles (output from registers) between staged ones.
@@ -336,7 +341,7 @@ std::vector<Case> check_cases() {
   // head dim 64 put 2 of the 3 heads in a group; the causal one pairs its m-blocks.
   cs.push_back({bf, 1, 200, 40000, 3, 3, 64});
   cs.push_back({hf, 1, 600, 40000, 3, 3, 64, true});
-  // Head dim 128's wide tile (128 x 192 key blocks, one Q buffer; use_tile in the kernel):
+  // Head dim 128's wide tile (128 x 192 key blocks, one Q buffer; alternative_rows in the kernel):
   // non-causal from 4096 query rows on, where 192-key blocks pad the keys no more than 128-key
   // ones (384 = 2 x 192; 576 = 3 x 192, cut to 200 keys by kv_seqlens in batch 1).
   cs.push_back({bf, 1, 4096, 384, 2, 1, 128});
@@ -821,7 +826,7 @@ int main(int argc, char** argv) {
       ok &= check_case({DType::kBF16, 8, 384, 384, 12, 4, 64}, 10);  // 288 tiles: several per CTA
       // 192 causal units: one-block tiles (m-block 0) between fused multi-block ones
       ok &= check_case({DType::kBF16, 4, 640, 640, 16, 4, 128, true}, 11);
-      // Head dim 128's wide tile (use_tile), 64 tiles
+      // Head dim 128's wide tile (alternative_rows), 64 tiles
       ok &= check_case({DType::kBF16, 1, 4096, 384, 2, 1, 128}, 12);
       // Clusters of two sharing K / V (use_cluster), an empty batch by kv_seqlens, and one by
       // q_seqlens beside one with rows for the first m-block only
@@ -831,6 +836,9 @@ int main(int argc, char** argv) {
       const Case causal_pairs{DType::kBF16, 2, 512, 512, 4, 2, 256, true};
       ok &= check_case(causal_pairs.ragged({512, 300}, {512, 400}), 14);
       ok &= check_case(Case{DType::kBF16, 1, 4096, 4096, 1, 1, 128}.window(-1, 100), 15);
+      // Head dim 64's rows split over two launches (alternative_rows): 768 on the 192-row tile,
+      // 332 on the 128-row tile (its last tile partial), 44 heads x 3 tiles for 132 SMs
+      ok &= check_case({DType::kBF16, 1, 1100, 150, 44, 4, 64}, 16);
     } else if (mode == "bench") {
       ok &= bench(grid, 10);
     } else if (mode == "--bench-one" && i + 3 < argc) {
