@@ -166,8 +166,10 @@ struct Params {
   const int32_t* kv_seqlens;  // may be null: all S keys valid
   int q_len, kv_len, num_heads;
   // Rows per batch element of q / out / lse: q_len, or more where this launch runs a range of
-  // each sequence's rows (QueryRows; q, out and lse then start at the range's first row).
+  // each sequence's rows (QueryRows; q, out and lse then start at the range's first row, whose
+  // index q_row_begin is, so that q_seqlens count from it).
   int batch_rows;
+  int q_row_begin;
   float scale_log2;   // exponent scale (log2 units) applied to the possibly capped score
   float softcap;      // 0 = off
   float softcap_inv;  // scale / softcap
@@ -321,7 +323,7 @@ __device__ bool decode_tile(const Params& p, int unit, bool second, Tile& t) {
 
   t.batch = p.div_num_heads.divmod(bh, t.head);
   t.m_block = second ? kCluster * order + kCluster - 1 - rank : kCluster * first_band + rank;
-  t.q_rows = p.q_seqlens ? max(0, min(p.q_seqlens[t.batch], p.q_len)) : p.q_len;
+  t.q_rows = p.q_seqlens ? max(0, min(p.q_seqlens[t.batch] - p.q_row_begin, p.q_len)) : p.q_len;
   t.kv_cols = p.kv_seqlens ? max(0, min(p.kv_seqlens[t.batch], p.kv_len)) : p.kv_len;
 
   // The last key block of m-block m's rows (empty rows past q_rows: up to the batch's last row).
@@ -1183,10 +1185,11 @@ struct QueryRows {
 };
 
 // Whether a launch may run a range of the query rows that does not start at row 0: where a row's
-// result does not depend on its position (no causal mask or window, no query lengths).
+// scores do not depend on its position (no causal mask or window; a range's rows past a query
+// length are found by Params::q_row_begin).
 bool rows_are_interchangeable(const ForwardArgs& a) {
   const MaskSpec& m = a.spec;
-  return !m.is_causal && m.window_left < 0 && m.window_right < 0 && a.q_seqlens == nullptr;
+  return !m.is_causal && m.window_left < 0 && m.window_right < 0;
 }
 
 // Head dim 64 where rows_are_interchangeable: the rows of each sequence that run on the 192-row
@@ -1324,6 +1327,7 @@ cudaError_t launch(const ForwardArgs& a, QueryRows rows, int sm_count, cudaStrea
   p.kv_seqlens = a.kv_seqlens;
   p.q_len = int(rows.count);
   p.batch_rows = int(sh.q_len);
+  p.q_row_begin = int(rows.begin);
   p.kv_len = int(sh.kv_len);
   p.num_heads = int(sh.num_heads);
   const int heads_per_kv = int(sh.num_heads / sh.num_kv_heads);

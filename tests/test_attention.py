@@ -34,8 +34,10 @@ FORWARD_CASES = [
     # long enough for v3's 192-row head dim 64 tile (non-causal, >= 2048 rows)
     Case(b=1, t=2100, s=2100, n=2, k=1, h=64),
     # ... and its rows split between the 192-row tile (rows [0, 768)) and the 128-row tile (the
-    # rest, a second launch) from 1024 rows on, where 44 heads x 3 128-row tiles fill an H200
+    # rest, a second launch) from 1024 rows on, where 44 or 66 heads x 3 128-row tiles fill an
+    # H200; query lengths that end a sequence in either part
     Case(b=1, t=1100, s=200, n=44, k=4, h=64),
+    Case(b=3, t=1100, s=200, n=22, k=2, h=64, seqlens=True),
     # long enough for v3's 128 x 192 head dim 128 tile (non-causal, >= 4096 rows, keys that
     # 192-key blocks do not pad more than 128-key ones: 384)
     Case(b=1, t=4096, s=384, n=2, k=1, h=128),

@@ -317,9 +317,10 @@ std::vector<Case> check_cases() {
   cs.push_back({hf, 1, 8200, 8200, 1, 1, 64, true});
   // ... and from 1024 rows on, non-causal, where the 128-row tiles of the rest fill 132 SMs, the
   // rows split: [0, 768) on the 192-row tile, the rest on the 128-row tile (a second launch; the
-  // last of its tiles partial in the second case, whose key lengths mask batch 1).
+  // last of its tiles partial in the second case, whose query lengths end batch 1 inside the
+  // first part: the second's tiles of that batch are empty).
   cs.push_back({bf, 1, 1024, 128, 66, 66, 64});
-  cs.push_back(Case{hf, 2, 1100, 200, 22, 2, 64}.ragged({}, {200, 77}));
+  cs.push_back(Case{hf, 2, 1100, 200, 22, 2, 64}.ragged({1100, 500}, {200, 77}));
   // More work units than SMs, so that every CTA runs several tiles: the two-buffer Q ring wraps
   // (its phases flip, outputs are stored by TMA from a buffer the producer refills two tiles
   // later), and q_seqlens put empty tiles (output from registers) between staged ones.
@@ -837,8 +838,10 @@ int main(int argc, char** argv) {
       ok &= check_case(causal_pairs.ragged({512, 300}, {512, 400}), 14);
       ok &= check_case(Case{DType::kBF16, 1, 4096, 4096, 1, 1, 128}.window(-1, 100), 15);
       // Head dim 64's rows split over two launches (alternative_rows): 768 on the 192-row tile,
-      // 332 on the 128-row tile (its last tile partial), 44 heads x 3 tiles for 132 SMs
-      ok &= check_case({DType::kBF16, 1, 1100, 150, 44, 4, 64}, 16);
+      // 332 on the 128-row tile (its last tile partial), 44 heads x 3 tiles for 132 SMs; query
+      // lengths end batch 0 inside the second part
+      const Case split{DType::kBF16, 2, 1100, 150, 22, 2, 64};
+      ok &= check_case(split.ragged({900, 1100}, {}), 16);
     } else if (mode == "bench") {
       ok &= bench(grid, 10);
     } else if (mode == "--bench-one" && i + 3 < argc) {
