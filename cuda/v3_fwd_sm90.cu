@@ -1197,10 +1197,10 @@ bool rows_are_interchangeable(const ForwardArgs& a) {
 // (harness, settled: by 8% at T = 1024, 19% at T = 16384), but ceil(T / 192) tall tiles pad
 // T = 1024 by 12.5% and T = 4096 by 3%. The largest even number of them that fits leaves rows
 // that whole 128-row tiles cover where T is a multiple of 128 (1024 = 4 x 192 + 2 x 128).
-// Measured (docs/perf-notes-v3.md, session 19): -4.5% time at T = 1024 and -4.4% at T = 4096
-// against one launch of the better tile; +2.5% at T = 16384 with B = 1, where the 128-row part
-// (64 tiles) does not fill the GPU, so there the tall tile runs alone, as below 1024 rows (not
-// measured) the 128-row one does.
+// Measured (harness, settled; docs/perf-notes-v3.md, session 19): -3.9% time at T = 1024 and
+// -4.3..-5.4% at T = 4096 against one launch of the better tile. Emulated at T = 16384 with
+// B = 1, where the 128-row part (64 tiles) does not fill the GPU, it was +2.1%: there the tall
+// tile runs alone, as below 1024 rows (not measured) the 128-row one does.
 int64_t tall_rows_of_split(const ForwardArgs& a, int sm_count) {
   const int64_t t = a.shape.q_len;
   if (t < 1024) return 0;
