@@ -114,7 +114,8 @@ __host__ __device__ constexpr int consumer_block_event(int tile, int w, int bloc
 
 // From the next launch on, the forward kernel records into `records` (room for `ctas` CTAs,
 // 16 * kEvents bytes each, 16-byte aligned); null: no recording. A launch of more CTAs fails
-// with cudaErrorInvalidValue. Host state, not per stream.
+// with cudaErrorInvalidValue. A forward split over two launches (head dim 64's row split) records
+// its first, the 192-row tile's. Host state, not per stream.
 void V3ForwardSetTimeline(uint64_t* records, int64_t ctas);
 #endif
 

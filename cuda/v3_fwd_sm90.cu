@@ -166,8 +166,8 @@ struct Params {
   const int32_t* kv_seqlens;  // may be null: all S keys valid
   int q_len, kv_len, num_heads;
   // Rows per batch element of q / out / lse: q_len, or more where this launch runs a range of
-  // each sequence's rows (QueryRows; q, out and lse then start at the range's first row, whose
-  // index q_row_begin is, so that q_seqlens count from it).
+  // each sequence's rows (QueryRows). q, out and lse then start at the range's first row, row
+  // q_row_begin of each sequence, from which a tile counts its q_seqlens.
   int batch_rows;
   int q_row_begin;
   float scale_log2;   // exponent scale (log2 units) applied to the possibly capped score
