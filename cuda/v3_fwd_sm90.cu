@@ -1192,23 +1192,33 @@ bool rows_are_interchangeable(const ForwardArgs& a) {
   return !m.is_causal && m.window_left < 0 && m.window_right < 0;
 }
 
-// Head dim 64 where rows_are_interchangeable: the rows of each sequence that run on the 192-row
-// tile, the rest running on the 128-row tile in a second launch. The tall tile is faster per row
-// (harness, settled: by 8% at T = 1024, 19% at T = 16384), but ceil(T / 192) tall tiles pad
-// T = 1024 by 12.5% and T = 4096 by 3%. The largest even number of them that fits leaves rows
-// that whole 128-row tiles cover where T is a multiple of 128 (1024 = 4 x 192 + 2 x 128).
-// Measured (harness, settled; docs/perf-notes-v3.md, session 19): -3.9% time at T = 1024 and
-// -4.3..-5.4% at T = 4096 against one launch of the better tile. Emulated at T = 16384 with
-// B = 1, where the 128-row part (64 tiles) does not fill the GPU, it was +2.1%: there the tall
-// tile runs alone, as below 1024 rows (not measured) the 128-row one does.
+// Head dim 64 where rows_are_interchangeable, from 1024 rows on: how many rows of each sequence
+// run on the 192-row tile (the rest on the 128-row tile, a second launch). The tall tile is
+// faster per row (harness, settled: by 8% at T = 1024, 19% at T = 16384), but ceil(T / 192) tall
+// tiles pad T = 1024 by 12.5%; the largest even number of them that fits leaves rows that whole
+// 128-row tiles cover where T is a multiple of 128 (1024 = 4 x 192 + 2 x 128). Of the 128-row
+// tile alone, that split and the 192-row tile alone, the one the fewest rounds of the persistent
+// grid cost, a 192-row tile's round counting 1.38 of a 128-row tile's (14.8 against 10.75 µs at
+// T = 1024). That ranks the six shapes measured in docs/perf-notes-v3.md (session 19) as
+// measured: the split -3.9% time at T = 1024 and -4.3..-5.4% at T = 4096 against the better
+// single tile, -5.7% at T = 2048; the tall tile alone at T = 1100 and 3000 (where both pad
+// alike; the split +3.4% / +1.8%) and at T = 16384 with B = 1 (the split's 128-row part, 64
+// tiles on 132 SMs, +2.1%). Below 1024 rows (not measured) the 128-row tile runs alone.
 int64_t tall_rows_of_split(const ForwardArgs& a, int sm_count) {
   const int64_t t = a.shape.q_len;
   if (t < 1024) return 0;
-  const int64_t tall = 192 * (2 * (t / 384));
-  const int64_t standard_tiles = (t - tall + 127) / 128;
-  if (standard_tiles == 0) return t;
-  if (a.shape.batch * a.shape.num_heads * standard_tiles < sm_count) return t >= 2048 ? t : 0;
-  return tall;
+  const int64_t heads = a.shape.batch * a.shape.num_heads;
+  const auto rounds = [&](int64_t rows, int64_t block_m) {
+    const int64_t tiles = heads * ((rows + block_m - 1) / block_m);
+    return (tiles + sm_count - 1) / sm_count;
+  };
+  const auto cost = [&](int64_t tall_rows) {  // in hundredths of a 128-row tile's round
+    return 138 * rounds(tall_rows, 192) + 100 * rounds(t - tall_rows, 128);
+  };
+  int64_t best = 0;
+  for (const int64_t tall_rows : {192 * (2 * (t / 384)), t})
+    if (cost(tall_rows) < cost(best)) best = tall_rows;
+  return best;
 }
 
 // How many leading rows of every sequence run on the head dim's alternative tile; the rest run on

@@ -31,13 +31,11 @@ FORWARD_CASES = [
     Case(b=1, t=97, s=55, n=6, k=3, h=64),
     Case(b=1, t=1030, s=1030, n=2, k=1, h=64),
     Case(b=1, t=40, s=1100, n=2, k=2, h=64, is_causal=True),
-    # long enough for v3's 192-row head dim 64 tile (non-causal, >= 2048 rows)
-    Case(b=1, t=2100, s=2100, n=2, k=1, h=64),
-    # ... and its rows split between the 192-row tile (rows [0, 768)) and the 128-row tile (the
-    # rest, a second launch) from 1024 rows on, where 44 or 66 heads x 3 128-row tiles fill an
-    # H200; query lengths that end a sequence in either part
-    Case(b=1, t=1100, s=200, n=44, k=4, h=64),
-    Case(b=3, t=1100, s=200, n=22, k=2, h=64, seqlens=True),
+    # v3's 192-row head dim 64 tile alone (non-causal, 12 heads: one round on an H200's 132 SMs)
+    Case(b=1, t=2100, s=300, n=12, k=2, h=64),
+    # ... and for rows [0, 1152) only, the rest on the 128-row tile in a second launch (132
+    # heads); query lengths that end a sequence in either part
+    Case(b=2, t=1252, s=100, n=66, k=6, h=64, seqlens=True),
     # long enough for v3's 128 x 192 head dim 128 tile (non-causal, >= 4096 rows, keys that
     # 192-key blocks do not pad more than 128-key ones: 384)
     Case(b=1, t=4096, s=384, n=2, k=1, h=128),

@@ -312,15 +312,15 @@ std::vector<Case> check_cases() {
   cs.push_back({bf, 1, 2048, 2048, 4, 4, 128, true});
   cs.push_back({bf, 2, 700, 1500, 2, 2, 256});
   cs.push_back({hf, 1, 1024, 1024, 4, 4, 64, true});
-  // Head dim 64 from these lengths on runs the 192-row tile (alternative_rows in the kernel).
-  cs.push_back({bf, 1, 2100, 2100, 2, 1, 64});
+  // Head dim 64's 192-row tile (alternative_rows in the kernel): causal from 8192 rows on;
+  // non-causal from 1024 on where its rounds of the persistent grid cost least on 132 SMs (12
+  // heads of 2100 rows: 132 tiles, one round), or for the first rows of each sequence, the rest
+  // on the 128-row tile in a second launch: [0, 768) of 1024 rows, [0, 1152) of 1252 (the last
+  // 128-row tile partial; query lengths end batch 0 in the first part, batch 1 in the second).
   cs.push_back({hf, 1, 8200, 8200, 1, 1, 64, true});
-  // ... and from 1024 rows on, non-causal, where the 128-row tiles of the rest fill 132 SMs, the
-  // rows split: [0, 768) on the 192-row tile, the rest on the 128-row tile (a second launch; the
-  // last of its tiles partial in the second case, whose query lengths end batch 1 inside the
-  // first part: the second's tiles of that batch are empty).
+  cs.push_back({bf, 1, 2100, 300, 12, 2, 64});
   cs.push_back({bf, 1, 1024, 128, 66, 66, 64});
-  cs.push_back(Case{hf, 2, 1100, 200, 22, 2, 64}.ragged({1100, 500}, {200, 77}));
+  cs.push_back(Case{hf, 2, 1252, 100, 66, 6, 64}.ragged({700, 1200}, {100, 77}));
   // More work units than SMs, so that every CTA runs several tiles: the two-buffer Q ring wraps
   // (its phases flip, outputs are stored by TMA from a buffer the producer refills two tiles
   // later), and q_seqlens put empty tiles (output from registers) between staged ones.
@@ -334,9 +334,9 @@ std::vector<Case> check_cases() {
   cs.push_back(Case{bf, 8, 1024, 1024, 8, 4, 256, true}.ragged(
       {1024, 0, 300, 1024, 1, 1024, 129, 700}, {}));
   // Several tiles per CTA where the v3 forward fuses a tile's last PV with the next tile's first
-  // S: the 192-row tile (three consumer warpgroups, 352 units: the Q ring wraps), and a causal
+  // S: the 192-row tile (three consumer warpgroups, 396 units: the Q ring wraps), and a causal
   // left window with softcap, whose tiles alternate between one key block (not fused) and two.
-  cs.push_back({bf, 1, 2048, 2048, 32, 8, 64});
+  cs.push_back({bf, 1, 2048, 2048, 36, 9, 64});
   cs.push_back(Case{bf, 8, 512, 512, 8, 2, 128, true}.window(60, -1).capped(30.f));
   // Units in more than one L2 group, the last one short (decode_tile): K / V of 40000 keys at
   // head dim 64 put 2 of the 3 heads in a group; the causal one pairs its m-blocks.
@@ -837,11 +837,11 @@ int main(int argc, char** argv) {
       const Case causal_pairs{DType::kBF16, 2, 512, 512, 4, 2, 256, true};
       ok &= check_case(causal_pairs.ragged({512, 300}, {512, 400}), 14);
       ok &= check_case(Case{DType::kBF16, 1, 4096, 4096, 1, 1, 128}.window(-1, 100), 15);
-      // Head dim 64's rows split over two launches (alternative_rows): 768 on the 192-row tile,
-      // 332 on the 128-row tile (its last tile partial), 44 heads x 3 tiles for 132 SMs; query
-      // lengths end batch 0 inside the second part
-      const Case split{DType::kBF16, 2, 1100, 150, 22, 2, 64};
-      ok &= check_case(split.ragged({900, 1100}, {}), 16);
+      // Head dim 64's rows split over two launches (alternative_rows, 132 SMs): 1152 on the
+      // 192-row tile, 100 on the 128-row tile (one partial tile); query lengths end batch 0
+      // inside the second part
+      const Case split{DType::kBF16, 2, 1252, 64, 66, 6, 64};
+      ok &= check_case(split.ragged({1200, 1252}, {}), 16);
     } else if (mode == "bench") {
       ok &= bench(grid, 10);
     } else if (mode == "--bench-one" && i + 3 < argc) {
