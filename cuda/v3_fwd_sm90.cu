@@ -1204,7 +1204,7 @@ bool rows_are_interchangeable(const ForwardArgs& a) {
 // single tile, -5.7% at T = 2048; the tall tile alone at T = 1100 and 3000 (where both pad
 // alike; the split +3.4% / +1.8%) and at T = 16384 with B = 1 (the split's 128-row part, 64
 // tiles on 132 SMs, +2.1%). Below 1024 rows (not measured) the 128-row tile runs alone.
-int64_t tall_rows_of_split(const ForwardArgs& a, int sm_count) {
+int64_t rows_on_tall_tile(const ForwardArgs& a, int sm_count) {
   const int64_t t = a.shape.q_len;
   if (t < 1024) return 0;
   const int64_t heads = a.shape.batch * a.shape.num_heads;
@@ -1212,8 +1212,9 @@ int64_t tall_rows_of_split(const ForwardArgs& a, int sm_count) {
     const int64_t tiles = heads * ((rows + block_m - 1) / block_m);
     return (tiles + sm_count - 1) / sm_count;
   };
-  const auto cost = [&](int64_t tall_rows) {  // in hundredths of a 128-row tile's round
-    return 138 * rounds(tall_rows, 192) + 100 * rounds(t - tall_rows, 128);
+  constexpr int64_t kTallRound = 138, kStandardRound = 100;  // 14.8 and 10.75 µs at T = 1024
+  const auto cost = [&](int64_t tall_rows) {
+    return kTallRound * rounds(tall_rows, 192) + kStandardRound * rounds(t - tall_rows, 128);
   };
   int64_t best = 0;
   for (const int64_t tall_rows : {192 * (2 * (t / 384)), t})
@@ -1240,7 +1241,7 @@ int64_t alternative_rows(const ForwardArgs& a, int sm_count) {
   if (forced == 1) return t;
 #endif
   if (a.shape.head_dim == 64) {
-    if (rows_are_interchangeable(a)) return tall_rows_of_split(a, sm_count);
+    if (rows_are_interchangeable(a)) return rows_on_tall_tile(a, sm_count);
     return t >= (causal_like ? 8192 : 2048) ? t : 0;
   }
   if (a.shape.head_dim != 128 || m.window_left >= 0 || t < (causal_like ? 16384 : 4096)) return 0;
