@@ -60,6 +60,7 @@
 
 #include "divmod.h"
 #include "hopper.cuh"
+#include "v3_fwd_tiles.h"
 #include "v3_fwd_units.h"
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
 #include "timeline.cuh"
@@ -1192,41 +1193,13 @@ bool rows_are_interchangeable(const ForwardArgs& a) {
   return !m.is_causal && m.window_left < 0 && m.window_right < 0;
 }
 
-// Head dim 64 where rows_are_interchangeable, from 1024 rows on: how many rows of each sequence
-// run on the 192-row tile (the rest on the 128-row tile, a second launch). The tall tile is
-// faster per row (harness, settled: by 8% at T = 1024, 19% at T = 16384), but ceil(T / 192) tall
-// tiles pad T = 1024 by 12.5%; the largest even number of them that fits leaves rows that whole
-// 128-row tiles cover where T is a multiple of 128 (1024 = 4 x 192 + 2 x 128). Of the 128-row
-// tile alone, that split and the 192-row tile alone, the one the fewest rounds of the persistent
-// grid cost, a 192-row tile's round counting 1.38 of a 128-row tile's (14.8 against 10.75 µs at
-// T = 1024). That ranks the six shapes measured in docs/perf-notes-v3.md (session 19) as
-// measured: the split -3.9% time at T = 1024 and -4.3..-5.4% at T = 4096 against the better
-// single tile, -5.7% at T = 2048; the tall tile alone at T = 1100 and 3000 (where both pad
-// alike; the split +3.4% / +1.8%) and at T = 16384 with B = 1 (the split's 128-row part, 64
-// tiles on 132 SMs, +2.1%). Below 1024 rows (not measured) the 128-row tile runs alone.
-int64_t rows_on_tall_tile(const ForwardArgs& a, int sm_count) {
-  const int64_t t = a.shape.q_len;
-  if (t < 1024) return 0;
-  const int64_t heads = a.shape.batch * a.shape.num_heads;
-  const auto rounds = [&](int64_t rows, int64_t block_m) {
-    const int64_t tiles = heads * ((rows + block_m - 1) / block_m);
-    return (tiles + sm_count - 1) / sm_count;
-  };
-  constexpr int64_t kTallRound = 138, kStandardRound = 100;  // 14.8 and 10.75 µs at T = 1024
-  const auto cost = [&](int64_t tall_rows) {
-    return kTallRound * rounds(tall_rows, 192) + kStandardRound * rounds(t - tall_rows, 128);
-  };
-  int64_t best = 0;
-  for (const int64_t tall_rows : {192 * (2 * (t / 384)), t})
-    if (cost(tall_rows) < cost(best)) best = tall_rows;
-  return best;
-}
-
 // How many leading rows of every sequence run on the head dim's alternative tile; the rest run on
 // its standard tile (a second launch where both parts have rows).
 // Head dim 64: the 192-row tile is faster on long sequences (T = 16384: +19% non-causal, +10%
 // causal) and slower on short or causal ones, where its partial and diagonal tiles waste more
-// (T = 1024 causal: -13%); measured in docs/perf-notes-v3.md. Head dim 128: the wide tile on
+// (T = 1024 causal: -13%); measured in docs/perf-notes-v3.md. Where rows are interchangeable,
+// v3_tall_tile_rows (cuda/v3_fwd_tiles.h) weighs the two; under causal masking or a window the
+// tall tile runs from 8192 rows on (2048 with a left window only). Head dim 128: the wide tile on
 // long sequences without a left window, from 4096 rows on, or from 16384 under causal masking
 // (a diagonal block of 192 keys wastes 64 more per tile, which only long tiles hide: measured
 // -2.2..-2.4% at T = 16384), where its last, partial key block pads the keys by at most 1% more
@@ -1241,7 +1214,8 @@ int64_t alternative_rows(const ForwardArgs& a, int sm_count) {
   if (forced == 1) return t;
 #endif
   if (a.shape.head_dim == 64) {
-    if (rows_are_interchangeable(a)) return rows_on_tall_tile(a, sm_count);
+    if (rows_are_interchangeable(a))
+      return v3_tall_tile_rows(a.shape.batch * a.shape.num_heads, t, sm_count);
     return t >= (causal_like ? 8192 : 2048) ? t : 0;
   }
   if (a.shape.head_dim != 128 || m.window_left >= 0 || t < (causal_like ? 16384 : 4096)) return 0;

@@ -2,7 +2,8 @@
 multipliers the host prepares. It is host and device code, so its exactness is checked here, on
 any machine with nvcc: tests/gpu/divmod_check.cu compares it with 64-bit division on edge and
 random divisors, on every dividend below 2^31 for six divisors, and on the decode of every unit of
-the benchmark grid's launches."""
+the benchmark grid's launches; it also holds the tile rule of head dim 64's non-causal rows
+(cuda/v3_fwd_tiles.h) to the choice measured best on each shape it was measured on."""
 import os
 import pathlib
 import shutil

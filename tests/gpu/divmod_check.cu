@@ -10,7 +10,9 @@
 //            relative to d (just above a power of two) and the small and largest ones
 //   grid     the divisors launch() prepares (UnitGroups::of) for the 18 configs of BENCHMARK.md
 //            (and GQA / odd variants): every dividend the decode can see, and the decode's
-//            (order, batch, head) compared with the plain-division decode it replaced
+//            (order, batch, head) compared with the plain-division decode it replaced; the
+//            launches of head dim 64's non-causal rows (cuda/v3_fwd_tiles.h) on 132 SMs, and
+//            that rule's choice for each shape it was measured on
 // Exit status: 0 when every check passed.
 #include <algorithm>
 #include <cmath>
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "../../cuda/divmod.h"
+#include "../../cuda/v3_fwd_tiles.h"
 #include "../../cuda/v3_fwd_units.h"
 
 using jax_flash::DivMod;
@@ -161,21 +164,33 @@ int main() {
     std::printf("every n: d = %lld\n", (long long)d);
   }
 
+  // The rule's choice (rows on the 192-row tile, 132 SMs) for each shape it was measured on
+  // (docs/perf-notes-v3.md, session 19): B, N, T, rows.
+  const int64_t measured[][4] = {{16, 32, 1024, 768},   {4, 32, 4096, 3840}, {1, 32, 16384, 16384},
+                                 {8, 32, 2048, 1920},   {4, 32, 3000, 3000}, {16, 32, 1100, 1100},
+                                 {1, 32, 2048, 0}};
+  for (const auto& m : measured) {
+    const int64_t rows = jax_flash::v3_tall_tile_rows(m[0] * m[1], m[2], 132);
+    if (rows != m[3] && ++failures <= 10)
+      std::printf("FAIL tile rule B=%lld N=%lld T=%lld: %lld rows on the 192-row tile, measured "
+                  "best %lld\n", (long long)m[0], (long long)m[1], (long long)m[2],
+                  (long long)rows, (long long)m[3]);
+  }
   // BENCHMARK.md's grid: bf16, B T = 16384, N H = 2048, K = N; the launches' block rows
   // (alternative_rows, v3_fwd_sm90.cu; 132 SMs): head dim 64 runs the 192-row tile from T = 8192
-  // causal and T = 16384 non-causal, and non-causal T = 1024 / 4096 as two launches, the first
-  // 768 / 3840 rows on the 192-row tile and the last 256 on the 128-row one.
+  // causal on, and non-causal rows as v3_tall_tile_rows splits them between the two tiles.
   count = 0;
   for (int64_t h : {64, 128, 256})
     for (int64_t t : {1024, 4096, 16384})
       for (bool causal : {false, true}) {
         const int64_t b = 16384 / t, n = 2048 / h;
-        if (h == 64 && !causal && t < 16384) {
-          count += check_layout({b, n, n, t - 256, h, 192, false, t});
-          count += check_layout({b, n, n, 256, h, 128, false, t});
+        if (h == 64 && !causal) {
+          const int64_t tall = jax_flash::v3_tall_tile_rows(b * n, t, 132);
+          if (tall > 0) count += check_layout({b, n, n, tall, h, 192, false, t});
+          if (tall < t) count += check_layout({b, n, n, t - tall, h, 128, false, t});
           continue;
         }
-        const bool tall = h == 64 && t >= (causal ? 8192 : 2048);
+        const bool tall = h == 64 && t >= 8192;
         count += check_layout({b, n, n, t, h, tall ? 192 : 128, causal});
       }
   // GQA, a last group of one head, a single group, odd lengths.
