@@ -848,16 +848,14 @@ int main(int argc, char** argv) {
       Case c{};
       if (!harness::grid_case_from_args(argv, i, &c)) return 2;
       ok &= bench({c}, 10);
-    } else if (mode == "--bench-shape" && i + 6 < argc) {
-      // Any bf16 shape, S = T: B T N K H causal (GQA, e.g. the example model's training shape).
+    } else if ((mode == "--bench-shape" || mode == "--bench-cross") && i + 6 < argc) {
+      // Any bf16 shape: B T N K H causal with S = T (GQA, e.g. the example model's training
+      // shape), or B T S N K H non-causal with its own key length.
       const auto arg = [&](int k) { return std::atoll(argv[i + k]); };
-      const Case c{DType::kBF16, arg(1), arg(2), arg(2), arg(3), arg(4), arg(5), arg(6) != 0};
-      i += 6;
-      ok &= bench({c}, 10);
-    } else if (mode == "--bench-cross" && i + 6 < argc) {
-      // Any bf16 non-causal shape with its own key length: B T S N K H.
-      const auto arg = [&](int k) { return std::atoll(argv[i + k]); };
-      const Case c{DType::kBF16, arg(1), arg(2), arg(3), arg(4), arg(5), arg(6), false};
+      const Case c =
+          mode == "--bench-shape"
+              ? Case{DType::kBF16, arg(1), arg(2), arg(2), arg(3), arg(4), arg(5), arg(6) != 0}
+              : Case{DType::kBF16, arg(1), arg(2), arg(3), arg(4), arg(5), arg(6), false};
       i += 6;
       ok &= bench({c}, 10);
 #ifdef JAX_FLASH_V3_FWD_TIMELINE
