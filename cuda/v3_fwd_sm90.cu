@@ -596,6 +596,17 @@ struct RowStats {
   float sum[2];
 };
 
+// exp2((score - max) * scale_log2) for accumulator element i (given max * scale_log2): on the
+// FMA pipe for every kExp2EmulationPeriod-th group of four elements, else on the MUFU.
+template <class Cfg>
+__device__ __forceinline__ float probability(int i, float score, float scale_log2,
+                                             float max_scaled) {
+  const float x = fmaf(score, scale_log2, -max_scaled);
+  constexpr int period = Cfg::kExp2EmulationPeriod;
+  const bool on_fma = period > 0 && (i / 4) % (period > 0 ? period : 1) == period - 1;
+  return on_fma ? exp2_fma(x) : exp2_mufu(x);
+}
+
 // Turns the scores of one key block into unnormalized probabilities in place and updates the
 // row statistics. Returns in o_scale the factor the accumulated O (and sum) must be multiplied
 // by: exp2 of the max's change, or exactly 1 when the max is kept.
@@ -632,16 +643,49 @@ __device__ __forceinline__ void online_softmax(float (&s)[Cfg::kBlockN / 2], Row
 #pragma unroll
   for (int i = 0; i < Cfg::kBlockN / 2; ++i) {
     const int r = (i / 2) % 2;
-    const float x = fmaf(s[i], scale_log2, -max_scaled[r]);
-    constexpr int period = Cfg::kExp2EmulationPeriod;
-    const bool on_fma = period > 0 && (i / 4) % (period > 0 ? period : 1) == period - 1;
-    s[i] = on_fma ? exp2_fma(x) : exp2_mufu(x);
+    s[i] = probability<Cfg>(i, s[i], scale_log2, max_scaled[r]);
     block_sum[r] += s[i];
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     st.sum[r] = kFirstBlock ? block_sum[r] : fmaf(st.sum[r], o_scale[r], block_sum[r]);
   }
+}
+
+// The softmax of a steady key block at the row's running max, without this block's max: the
+// max's FMNMX chain, its shuffles, the rescale factor and the O rescale are the work of every
+// block in online_softmax, and the loop's pace follows the softmax's instruction count
+// (docs/perf-notes-v3.md, session 20). P = exp2((s - max) * scale_log2) goes straight into the
+// PV GEMM's fragments pa and the block's sums into st.sum; s is left as it was. That is valid
+// while every P stays below 2^kRescaleThreshold, the bound conditional rescaling already allows
+// (softmax_constants.h); each thread's partial sum of a row bounds its elements, so no quad
+// shuffle is needed to check it. Returns false, warp-uniformly and with only pa changed, when a
+// partial sum reaches the bound, is NaN, or a row has no running max yet (-inf: its P are inf or
+// NaN); the caller then runs online_softmax on s. Both give the same function: the max is only
+// a reference point that keeps P in range.
+template <class Cfg>
+__device__ __forceinline__ bool softmax_at_running_max(const float (&s)[Cfg::kBlockN / 2],
+                                                       RowStats& st, float scale_log2,
+                                                       uint32_t (&pa)[Cfg::kBlockN / 16][4]) {
+  const float max_scaled[2] = {st.max[0] * scale_log2, st.max[1] * scale_log2};
+  float block_sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = 8 * kk + 2 * j, r = j % 2;  // the pair's elements i, i + 1: row r
+      const float lo = probability<Cfg>(i, s[i], scale_log2, max_scaled[r]);
+      const float hi = probability<Cfg>(i + 1, s[i + 1], scale_log2, max_scaled[r]);
+      block_sum[r] += lo;
+      block_sum[r] += hi;
+      pa[kk][j] = pack2<typename Cfg::Element>(lo, hi);
+    }
+  }
+  constexpr float kBound = float(1 << int(kRescaleThreshold));
+  if (!__all_sync(0xffffffff, block_sum[0] < kBound && block_sum[1] < kBound)) return false;
+  st.sum[0] += block_sum[0];
+  st.sum[1] += block_sum[1];
+  return true;
 }
 
 template <class Cfg>
@@ -1017,13 +1061,16 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     wgmma_wait<1>();  // S_j done, PV_{j+1} may still run
     TIMELINE_BLOCK_EVENT(c, c.q_count - 1, t.n_max - 2 - nb, kBlockScores);
     take_scores<Cfg>(p, t, bars, c, stage, nb, row_lo, s);
-    online_softmax<Cfg, false>(s, st, p.scale_log2, o_scale);
-    TIMELINE_SOFTMAX_EVENT(c, c.q_count - 1, t.n_max - 2 - nb, kBlockSoftmax);
+    // PV_{j+1} reads pa, which the softmax writes.
     wgmma_wait<0>();
     TIMELINE_SOFTMAX_EVENT(c, c.q_count - 1, t.n_max - 2 - nb, kBlockPvDone);
     take_output<Cfg>(bars, c, prev, o, pa);
-    rescale_output<Cfg>(o, o_scale);
-    accumulator_to_fragments<typename Cfg::Element>(s, pa);
+    if (!softmax_at_running_max<Cfg>(s, st, p.scale_log2, pa)) {
+      online_softmax<Cfg, false>(s, st, p.scale_log2, o_scale);
+      rescale_output<Cfg>(o, o_scale);
+      accumulator_to_fragments<typename Cfg::Element>(s, pa);
+    }
+    TIMELINE_SOFTMAX_EVENT(c, c.q_count - 1, t.n_max - 2 - nb, kBlockSoftmax);
   }
   TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kLoopDone);
   if constexpr (Cfg::kStageOutput) {
