@@ -14,8 +14,9 @@ namespace jax_flash {
 // Switches for the two FlashAttention-4 ideas that port to Hopper, kept so each can be measured
 // as a delta (tests/gpu/harness_v3.cu). The library runs V3DefaultTuning(head_dim).
 struct V3Tuning {
-  // Keep the running row max (and skip the O / row-sum rescale of the warp) unless a row's max
-  // grows by more than 8 in log2 units; P then stays <= 2^8, which fp32 / bf16 / fp16 hold.
+  // A key block after a tile's first takes P at the running row max, without its own max and
+  // without rescaling O / the row sums, unless some P of the warp's rows could reach 2^8 (which
+  // fp32 / bf16 / fp16 hold); off: every block takes its max and rescales.
   bool conditional_rescale = false;
   // 0: every exp2 on the special-function unit. p > 0: every p-th 8-column chunk of the score
   // tile through a degree-3 polynomial on the FMA units instead.
@@ -88,10 +89,10 @@ constexpr int kLoggedBlocks = 8;
 enum BlockEvent : int {
   kBlockTurn = 0,  // the block's turn acquired (S_j and PV_{j+1} are issued in it)
   kBlockScores,    // S_j's wait returned
-  // Only with -DJAX_FLASH_V3_FWD_TIMELINE_SOFTMAX: these two stamps keep ptxas from hoisting
-  // the PV wait above the softmax, so they measure a different schedule from the library's.
+  // Only with -DJAX_FLASH_V3_FWD_TIMELINE_SOFTMAX (stamps between the waits and the softmax
+  // can move ptxas's schedule):
   kBlockSoftmax,   // its softmax done
-  kBlockPvDone,    // PV_{j+1}'s wait returned
+  kBlockPvDone,    // PV_{j+1}'s wait returned (before the softmax, which writes PV's fragments)
   kBlockEvents,
 };
 constexpr int kConsumerBlocks = kConsumer + kMaxConsumers * kConsumerEvents;

@@ -625,10 +625,6 @@ __device__ __forceinline__ void online_softmax(float (&s)[Cfg::kBlockN / 2], Row
     float new_max;
     if (kFirstBlock) {
       new_max = block_max[r];
-    } else if (Cfg::kConditionalRescale) {
-      // NaN (both -inf) compares false: nothing kept yet, nothing to rescale.
-      const bool grows = (block_max[r] - st.max[r]) * scale_log2 > kRescaleThreshold;
-      new_max = grows ? block_max[r] : st.max[r];
     } else {
       new_max = fmaxf(st.max[r], block_max[r]);
     }
@@ -652,17 +648,18 @@ __device__ __forceinline__ void online_softmax(float (&s)[Cfg::kBlockN / 2], Row
   }
 }
 
-// The softmax of a steady key block at the row's running max, without this block's max: the
-// max's FMNMX chain, its shuffles, the rescale factor and the O rescale are the work of every
-// block in online_softmax, and the loop's pace follows the softmax's instruction count
-// (docs/perf-notes-v3.md, session 20). P = exp2((s - max) * scale_log2) goes straight into the
-// PV GEMM's fragments pa and the block's sums into st.sum; s is left as it was. That is valid
-// while every P stays below 2^kRescaleThreshold, the bound conditional rescaling already allows
-// (softmax_constants.h); each thread's partial sum of a row bounds its elements, so no quad
-// shuffle is needed to check it. Returns false, warp-uniformly and with only pa changed, when a
-// partial sum reaches the bound, is NaN, or a row has no running max yet (-inf: its P are inf or
-// NaN); the caller then runs online_softmax on s. Both give the same function: the max is only
-// a reference point that keeps P in range.
+// Conditional rescaling (kConditionalRescale): the softmax of a steady key block at the row's
+// running max, without this block's max. The max's FMNMX chain, its shuffles, the rescale
+// factors and the O rescale are online_softmax's work on every block, and the loop's pace
+// follows the softmax's instruction count (docs/perf-notes-v3.md, session 20). Here
+// P = exp2((s - max) * scale_log2) goes straight into the PV GEMM's fragments pa and the
+// block's sums into st.sum; s is left as it was. That is valid while every P stays below
+// 2^kRescaleThreshold (softmax_constants.h); each thread's partial sum of a row bounds its
+// elements, so the check needs no quad shuffle. Returns false, warp-uniformly and with only pa
+// changed, when a partial sum reaches the bound, is NaN, or a row has no running max yet (-inf:
+// its P are inf or NaN); the caller then runs online_softmax on s, which moves the max to the
+// block's, so that the next blocks pass again. The max is only a reference point that keeps P in
+// range: both paths compute the same function.
 template <class Cfg>
 __device__ __forceinline__ bool softmax_at_running_max(const float (&s)[Cfg::kBlockN / 2],
                                                        RowStats& st, float scale_log2,
@@ -691,11 +688,6 @@ __device__ __forceinline__ bool softmax_at_running_max(const float (&s)[Cfg::kBl
 template <class Cfg>
 __device__ __forceinline__ void rescale_output(float (&o)[Cfg::kHeadDim / 2],
                                                const float (&o_scale)[2]) {
-  // With conditional rescaling most blocks keep every max: skip the multiplies warp-wide.
-  if (Cfg::kConditionalRescale &&
-      !__any_sync(0xffffffff, o_scale[0] != 1.f || o_scale[1] != 1.f)) {
-    return;
-  }
 #pragma unroll
   for (int i = 0; i < Cfg::kHeadDim / 2; ++i) o[i] *= o_scale[(i / 2) % 2];
 }
@@ -1065,7 +1057,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     wgmma_wait<0>();
     TIMELINE_SOFTMAX_EVENT(c, c.q_count - 1, t.n_max - 2 - nb, kBlockPvDone);
     take_output<Cfg>(bars, c, prev, o, pa);
-    if (!softmax_at_running_max<Cfg>(s, st, p.scale_log2, pa)) {
+    if (!(Cfg::kConditionalRescale && softmax_at_running_max<Cfg>(s, st, p.scale_log2, pa))) {
       online_softmax<Cfg, false>(s, st, p.scale_log2, o_scale);
       rescale_output<Cfg>(o, o_scale);
       accumulator_to_fragments<typename Cfg::Element>(s, pa);
@@ -1324,7 +1316,7 @@ cudaError_t persistent_grid(const void* kernel, cudaLaunchConfig_t config, int n
 // The switches the library runs per head dim (measured in docs/perf-notes-v3.md).
 template <int kHeadDim>
 struct DefaultTuning {
-  static constexpr bool kConditionalRescale = kHeadDim != 64;
+  static constexpr bool kConditionalRescale = true;
   static constexpr int kExp2EmulationPeriod = 0;
   static V3Tuning value() { return {kConditionalRescale, kExp2EmulationPeriod}; }
 };

@@ -622,16 +622,16 @@ void print_tile_budget(const std::vector<FwdCtaTimeline>& all, int w) {
 }
 
 // The steady key blocks of tile kind `kind` (CTAs of at least 4 tiles), per consumer warpgroup:
-// from each block's turn to its S wait's return ("S"), to its softmax's end ("softmax"), to the
-// return of the wait for the PV issued with it ("PV"), and on to the next block's turn ("to
+// from each block's turn to its S wait's return ("S"), to the return of the wait for the PV
+// issued with it ("PV"), to its softmax's end ("softmax"), and on to the next block's turn ("to
 // turn"); "period" is turn to turn, and "after wg1" how long after wg1's turn of the same block
 // this warpgroup's came. Without the softmax stamps (builds without
-// -DJAX_FLASH_V3_FWD_TIMELINE_SOFTMAX, which keep the library's schedule), "to turn" runs from
-// the S wait's return. Medians over CTAs, us.
+// -DJAX_FLASH_V3_FWD_TIMELINE_SOFTMAX, whose stamps can move ptxas's schedule), "to turn" runs
+// from the S wait's return. Medians over CTAs, us.
 void print_block_budget(const std::vector<FwdCtaTimeline>& all, int consumers, int kind) {
   std::printf(" tile %s, steady key blocks (us, medians over CTAs):\n",
               kTimelineTileKindNames[kind]);
-  std::printf("  %-4s %5s %8s %8s %8s %8s %8s %9s\n", "wg", "block", "period", "S", "softmax", "PV",
+  std::printf("  %-4s %5s %8s %8s %8s %8s %8s %9s\n", "wg", "block", "period", "S", "PV", "softmax",
               "to turn", "after wg1");
   for (int w = 0; w < consumers; ++w) {
     for (int j = 0; j < tl::kLoggedBlocks; ++j) {
@@ -647,18 +647,18 @@ void print_block_budget(const std::vector<FwdCtaTimeline>& all, int consumers, i
         s_wait.push_back(t.ns(ev(w, j, tl::kBlockTurn), ev(w, j, tl::kBlockScores)));
         const bool stamped = t.has(ev(w, j, tl::kBlockSoftmax));  // TIMELINE_SOFTMAX builds
         if (stamped) {
-          softmax.push_back(t.ns(ev(w, j, tl::kBlockScores), ev(w, j, tl::kBlockSoftmax)));
-          pv.push_back(t.ns(ev(w, j, tl::kBlockSoftmax), ev(w, j, tl::kBlockPvDone)));
+          pv.push_back(t.ns(ev(w, j, tl::kBlockScores), ev(w, j, tl::kBlockPvDone)));
+          softmax.push_back(t.ns(ev(w, j, tl::kBlockPvDone), ev(w, j, tl::kBlockSoftmax)));
         }
         if (j + 1 <= t.key_blocks(k) - 2 && j + 1 < tl::kLoggedBlocks) {
-          to_turn.push_back(t.ns(ev(w, j, stamped ? tl::kBlockPvDone : tl::kBlockScores),
+          to_turn.push_back(t.ns(ev(w, j, stamped ? tl::kBlockSoftmax : tl::kBlockScores),
                                  ev(w, j + 1, tl::kBlockTurn)));
         }
         if (w > 0) after.push_back(t.ns(ev(0, j, tl::kBlockTurn), ev(w, j, tl::kBlockTurn)));
       }
       if (s_wait.empty()) continue;
       std::printf("  wg%-2d %5d %s %s %s %s %s  %s\n", w + 1, j + 1, median_us(period).c_str(),
-                  median_us(s_wait).c_str(), median_us(softmax).c_str(), median_us(pv).c_str(),
+                  median_us(s_wait).c_str(), median_us(pv).c_str(), median_us(softmax).c_str(),
                   median_us(to_turn).c_str(), median_us(after).c_str());
     }
   }
