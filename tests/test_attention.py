@@ -138,16 +138,22 @@ def _check_forward(schedule: str, case: Case, x):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", [Case(t=300, s=300, n=2, k=1, h=128),
-                                  Case(t=300, s=300, n=2, k=1, h=256, is_causal=True)], ids=str)
-def test_row_maxima_that_climb_along_the_keys_match_float64(schedule, dtype, case, rng):
-  """Keys whose norms grow along the sequence raise each row's max by more than v2 / v3's
-  conditional-rescaling bound (kRescaleThreshold = 8 in log2 units, cuda/softmax_constants.h)
-  in some key blocks and by less in others: both the rescaling and the stale-max paths run,
-  with probabilities up to 2^8."""
+                                  Case(t=300, s=300, n=2, k=1, h=256, is_causal=True),
+                                  Case(t=300, s=700, n=2, k=1, h=64)], ids=str)
+@pytest.mark.parametrize("direction", ["rising", "falling"])
+def test_row_maxima_that_climb_along_the_keys_match_float64(schedule, dtype, case, direction,
+                                                            rng):
+  """Keys whose norms change along the sequence raise each row's running max, in the order a
+  schedule visits the key blocks (v2 from the first, v3's forward from the last), by more than
+  the conditional-rescaling bound (kRescaleThreshold = 8 in log2 units,
+  cuda/softmax_constants.h) in some key blocks and by less in others: both the rescaling and
+  the stale-max paths run (v3: P at the running max, and the fallback that takes the block's
+  max when the sums of P reach 2^8), with probabilities up to 2^8."""
   case = dataclasses.replace(case, dtype=dtype)
   _require(schedule, case)
   x = make_inputs(case, rng)
-  growth = jnp.linspace(1.0, 12.0, case.s)[None, :, None, None]
+  ends = (1.0, 12.0) if direction == "rising" else (12.0, 1.0)
+  growth = jnp.linspace(*ends, case.s)[None, :, None, None]
   x = dataclasses.replace(x, k=(x.k.astype(jnp.float32) * growth).astype(dtype))
   _check_forward(schedule, case, x)
 
