@@ -597,7 +597,8 @@ struct RowStats {
 };
 
 // exp2((score - max) * scale_log2) for accumulator element i (given max * scale_log2): on the
-// FMA pipe for every kExp2EmulationPeriod-th group of four elements, else on the MUFU.
+// FMA pipe in every kExp2EmulationPeriod-th 8-column chunk (the thread's elements 4c..4c+3),
+// else on the MUFU.
 template <class Cfg>
 __device__ __forceinline__ float probability(int i, float score, float scale_log2,
                                              float max_scaled) {
