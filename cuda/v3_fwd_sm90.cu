@@ -660,12 +660,19 @@ __device__ __forceinline__ void online_softmax(float (&s)[Cfg::kBlockN / 2], Row
 // changed, when a partial sum reaches the bound, is NaN, or a row has no running max yet (-inf:
 // its P are inf or NaN); the caller then runs online_softmax on s, which moves the max to the
 // block's, so that the next blocks pass again. The max is only a reference point that keeps P in
-// range: both paths compute the same function.
+// range: both paths compute the same function. Rows past the tile's valid rows (row, row + 8
+// against q_rows), masked in every block, take the reference +inf: P = 0, as online_softmax
+// gives them, without falling back on every block of the warp.
 template <class Cfg>
 __device__ __forceinline__ bool softmax_at_running_max(const float (&s)[Cfg::kBlockN / 2],
-                                                       RowStats& st, float scale_log2,
+                                                       RowStats& st, float scale_log2, int row,
+                                                       int q_rows,
                                                        uint32_t (&pa)[Cfg::kBlockN / 16][4]) {
-  const float max_scaled[2] = {st.max[0] * scale_log2, st.max[1] * scale_log2};
+  float max_scaled[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    max_scaled[r] = row + 8 * r < q_rows ? st.max[r] * scale_log2 : INFINITY;
+  }
   float block_sum[2] = {0.f, 0.f};
 #pragma unroll
   for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
@@ -1058,7 +1065,9 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
     wgmma_wait<0>();
     TIMELINE_SOFTMAX_EVENT(c, c.q_count - 1, t.n_max - 2 - nb, kBlockPvDone);
     take_output<Cfg>(bars, c, prev, o, pa);
-    if (!(Cfg::kConditionalRescale && softmax_at_running_max<Cfg>(s, st, p.scale_log2, pa))) {
+    if (!(Cfg::kConditionalRescale &&
+          softmax_at_running_max<Cfg>(s, st, p.scale_log2, row_lo + c.lane.row0, t.q_rows,
+                                      pa))) {
       online_softmax<Cfg, false>(s, st, p.scale_log2, o_scale);
       rescale_output<Cfg>(o, o_scale);
       accumulator_to_fragments<typename Cfg::Element>(s, pa);
