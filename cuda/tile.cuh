@@ -536,6 +536,42 @@ struct RowSoftmax {
     return __any_sync(0xffffffffu, changed);
   }
 
+  // Exponentiates a tile of scores (times `mul`) in place against the rows' running maxima,
+  // without the tile's own max, and adds the rows' sums: the max's FMNMX chain and shuffles, the
+  // rescale factors and the accumulator rescale are update's work on every tile (v3's forward
+  // measured the same idea, docs/perf-notes-v3.md, session 20). Valid while every probability
+  // stays below 2^kRescaleThreshold; each thread's partial sum of a row bounds its elements, so
+  // the check needs no shuffle. Returns false, warp-uniformly, when a partial sum reaches the
+  // bound, is NaN, or a row has no max yet (its terms are inf or NaN): `s` then holds no scores
+  // and the statistics are unchanged; the caller recomputes the scores and runs update. The
+  // warp's rows start at r0; rows from q_len on, masked in every tile, take the reference +inf
+  // (terms 0, as update gives them) instead of failing every tile.
+  template <int NT>
+  __device__ bool exponentiate_at_running_max(float (&s)[MT][NT][4], float mul, int r0,
+                                              int q_len, int lane) {
+    constexpr float kBound = float(1 << int(kRescaleThreshold));
+    float row_sum[kRows];
+    bool fits = true;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int m = r / 2, half = r % 2;
+      const float base = r0 + c_row(m, 2 * half, lane) < q_len ? max[r] : INFINITY;
+      row_sum[r] = 0.f;
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 2 * half; e < 2 * half + 2; ++e) {
+          s[m][n][e] = fast_exp2(s[m][n][e] * mul - base);
+          row_sum[r] += s[m][n][e];
+        }
+      fits &= row_sum[r] < kBound;
+    }
+    if (!__all_sync(0xffffffffu, fits)) return false;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) sum[r] += row_sum[r];
+    return true;
+  }
+
   // Final 1/rowsum (0 for rows with no kept key) and natural-log logsumexp (-inf for those).
   __device__ void finish(float (&inv_sum)[kRows], float (&lse)[kRows]) {
 #pragma unroll

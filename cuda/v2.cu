@@ -2,9 +2,9 @@
 //
 // One CTA per (query block, head, batch). Each warp owns whole query rows (sliced-Q), so the
 // softmax statistics never leave the warp; the output accumulates unnormalized in registers and
-// is divided by the row sums once, at the end. K and V tiles stream through one shared-memory
-// buffer each: V of tile j loads during Q K^T of tile j, K of tile j + 1 during the softmax and
-// P V of tile j (two barriers per tile). Measured on the H200 (session 13) against two stages of
+// is divided by the row sums once, at the end. K and V tiles stream through shared memory: V of
+// tile j loads during Q K^T of tile j, K of tile j + 1 during the softmax and P V of tile j (two
+// barriers per tile), into a second K buffer up to head dim 128 (kRunningMax), else into K's. Measured on the H200 (session 13) against two stages of
 // K and V (one barrier per tile): -2..+5.5% at the same tile, and the smaller footprint lets head
 // dim 256 run two 64-row CTAs per SM (+11-14% over one 128-row CTA of 8 warps) and head dim 64
 // take 128-key steps (+7-10%).
@@ -43,7 +43,14 @@ struct V2Layout {
   static constexpr int NT_O = kHeadDim / 8;  // n-tiles of the output
   using QTile = Tile<kBlockM, kHeadDim>;
   using KVTile = Tile<kBlockN, kHeadDim>;
-  static constexpr int kSmemBytes = QTile::kBytes + 2 * KVTile::kBytes;
+  // Up to head dim 128 a key tile after the first exponentiates at the running row maxima and
+  // recomputes its scores in the rare tile where that does not fit (RowSoftmax::
+  // exponentiate_at_running_max), so K of tile j must outlive the load of tile j + 1: two K
+  // buffers. At 256 they would not leave room for two CTAs per SM; it keeps conditional
+  // rescaling of the max (update).
+  static constexpr bool kRunningMax = kHeadDim <= 128;
+  static constexpr int kKBuffers = kRunningMax ? 2 : 1;
+  static constexpr int kSmemBytes = QTile::kBytes + (kKBuffers + 1) * KVTile::kBytes;
   // Two CTAs of 4 warps share an SM (registers allow 2 x 128 threads x 255).
   static constexpr int kMinBlocksPerSm = kWarps == 4 ? 2 : 1;
 };
@@ -93,23 +100,27 @@ __global__ void __launch_bounds__(V2Layout<kHeadDim, Shape>::kThreads,
   const int j_end = (key_end + L::kBlockN - 1) / L::kBlockN;
 
   const typename L::QTile sQ{smem_address(smem)};
-  const typename L::KVTile sK{sQ.base + L::QTile::kBytes};
-  const typename L::KVTile sV{sK.base + L::KVTile::kBytes};
+  const typename L::KVTile sV{sQ.base + L::QTile::kBytes};
+  // K of tile j in buffer j % kKBuffers.
+  const auto k_buffer = [&](int j) {
+    return typename L::KVTile{sV.base + (1 + j % L::kKBuffers) * L::KVTile::kBytes};
+  };
   const auto load = [&](const HeadRows<const T>& from, typename L::KVTile to, int j) {
     const int col0 = j * L::kBlockN;
     to.template load_async<L::kThreads>(from.row(col0), from.stride, kv_len - col0, chunks, tid);
   };
   sQ.template load_async<L::kThreads>(q.row(row0), q.stride, valid_rows, chunks, tid);
-  load(k, sK, j_begin);
+  load(k, k_buffer(j_begin), j_begin);
   cp_async_commit();
 
   const int warp_row0 = warp * L::kWarpRows;  // within the block
   const int rows_begin = row0 + warp_row0, rows_end = rows_begin + L::kWarpRows;
   float o[MT][NT_O][4];
   zero(o);
-  // Conditional rescaling (harness A/B, session 13): +0.5..+3.1% at head dim 128 (two runs),
-  // +0.6..+2.0% at 256, -2.7..+0.4% at 64, where O is half as large (v3 measured the same).
-  RowSoftmax<MT, (kHeadDim > 64)> softmax;
+  // Conditional rescaling of the max (harness A/B, session 13): +0.6..+2.0% at 256; at head
+  // dims 64 / 128, tiles at the running max (kRunningMax) instead, whose fallback takes the
+  // tile's max.
+  RowSoftmax<MT, !L::kRunningMax> softmax;
   softmax.init();
 
   for (int j = j_begin; j < j_end; ++j) {
@@ -120,19 +131,30 @@ __global__ void __launch_bounds__(V2Layout<kHeadDim, Shape>::kThreads,
     cp_async_commit();
 
     float s[MT][NT_S][4];
-    zero(s);
-    warp_gemm<T, MT, NT_S, kHeadDim / 16>(
-        s, [&](uint32_t(&a)[MT][4], int k0) { load_a(a, sQ, warp_row0, k0, lane); },
-        [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_nmajor(bf, sK, k0, n0, lane); });
+    const typename L::KVTile sK = k_buffer(j);
+    const bool check = !scores.all_kept(rows_begin, rows_end, col0, col0 + L::kBlockN);
+    const auto scores_of_tile = [&] {  // s = the tile's scores, masked; returns their factor
+      zero(s);
+      warp_gemm<T, MT, NT_S, kHeadDim / 16>(
+          s, [&](uint32_t(&a)[MT][4], int k0) { load_a(a, sQ, warp_row0, k0, lane); },
+          [&](uint32_t(&bf)[4], int k0, int n0) { load_b_pair_nmajor(bf, sK, k0, n0, lane); });
+      return scores.apply<kGeneral>(s, rows_begin, col0, check, lane);
+    };
+    float mul = scores_of_tile();
     // K of tile j + 1 loads during the softmax and P V of tile j.
     cp_async_wait<0>();
-    __syncthreads();  // V of tile j landed; every warp is done with K of tile j
-    if (j + 1 < j_end) load(k, sK, j + 1);
+    __syncthreads();  // V of tile j landed; every warp is done with the K buffer tile j + 1
+                      // loads into (tile j - 1's; with one buffer, tile j's)
+    if (j + 1 < j_end) load(k, k_buffer(j + 1), j + 1);
     cp_async_commit();
-    const bool check = !scores.all_kept(rows_begin, rows_end, col0, col0 + L::kBlockN);
-    const float mul = scores.apply<kGeneral>(s, rows_begin, col0, check, lane);
-    float rescale[2 * MT];
-    if (softmax.update(s, mul, rescale)) scale_rows(o, rescale);
+    // The first tile sets the maxima; the later ones try the running maxima first.
+    const bool tried = L::kRunningMax && j > j_begin;
+    if (!(tried && softmax.exponentiate_at_running_max(s, mul, rows_begin, scores.band.q_len,
+                                                       lane))) {
+      if (tried) mul = scores_of_tile();  // s holds the failed attempt's terms
+      float rescale[2 * MT];
+      if (softmax.update(s, mul, rescale)) scale_rows(o, rescale);
+    }
 
 #pragma unroll
     for (int kk = 0; kk < L::kBlockN / 16; ++kk) {
