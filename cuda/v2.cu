@@ -4,10 +4,10 @@
 // softmax statistics never leave the warp; the output accumulates unnormalized in registers and
 // is divided by the row sums once, at the end. K and V tiles stream through shared memory: V of
 // tile j loads during Q K^T of tile j, K of tile j + 1 during the softmax and P V of tile j (two
-// barriers per tile), into a second K buffer up to head dim 128 (kRunningMax), else into K's. Measured on the H200 (session 13) against two stages of
-// K and V (one barrier per tile): -2..+5.5% at the same tile, and the smaller footprint lets head
-// dim 256 run two 64-row CTAs per SM (+11-14% over one 128-row CTA of 8 warps) and head dim 64
-// take 128-key steps (+7-10%).
+// barriers per tile), into a second K buffer up to head dim 128 (kRunningMax), else into K's.
+// Measured on the H200 (session 13) against two stages of K and V (one barrier per tile):
+// -2..+5.5% at the same tile, and the smaller footprint lets head dim 256 run two 64-row CTAs
+// per SM (+11-14% over one 128-row CTA of 8 warps) and head dim 64 take 128-key steps (+7-10%).
 #include <type_traits>
 
 #include "tile.cuh"
@@ -43,11 +43,10 @@ struct V2Layout {
   static constexpr int NT_O = kHeadDim / 8;  // n-tiles of the output
   using QTile = Tile<kBlockM, kHeadDim>;
   using KVTile = Tile<kBlockN, kHeadDim>;
-  // Up to head dim 128 a key tile after the first exponentiates at the running row maxima and
-  // recomputes its scores in the rare tile where that does not fit (RowSoftmax::
-  // exponentiate_at_running_max), so K of tile j must outlive the load of tile j + 1: two K
-  // buffers. At 256 they would not leave room for two CTAs per SM; it keeps conditional
-  // rescaling of the max (update).
+  // Up to head dim 128 a key tile after the first exponentiates at the running row maxima
+  // (RowSoftmax::exponentiate_at_running_max) and recomputes its scores in the rare tile where
+  // that does not fit, so K of tile j must outlive the load of tile j + 1: two K buffers. At 256
+  // they would not leave room for two CTAs per SM; it keeps conditional rescaling of the max.
   static constexpr bool kRunningMax = kHeadDim <= 128;
   static constexpr int kKBuffers = kRunningMax ? 2 : 1;
   static constexpr int kSmemBytes = QTile::kBytes + (kKBuffers + 1) * KVTile::kBytes;
