@@ -142,7 +142,7 @@ def _check_forward(schedule: str, case: Case, x):
                                   Case(t=300, s=700, n=2, k=1, h=64)], ids=str)
 @pytest.mark.parametrize("direction", ["rising", "falling"])
 def test_row_maxima_that_move_along_the_keys_match_float64(schedule, dtype, case, direction,
-                                                            rng):
+                                                           rng):
   """Keys whose norms change along the sequence raise each row's running max, in the order a
   schedule visits the key blocks (v2 from the first, v3's forward from the last), by more than
   the conditional-rescaling bound (kRescaleThreshold = 8 in log2 units,
