@@ -11,5 +11,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 // forward does not take a block's max at all while the sums of the probabilities stay below
 // 2^this. 2^8 is far inside the range of bf16 / f16 and of the fp32 sums.
 constexpr float kRescaleThreshold = 8.f;
+// 2^kRescaleThreshold: the running-max softmax (v2 / v3 forward) keeps a block while each
+// thread's partial sums of its probabilities stay below this.
+constexpr float kProbabilitySumBound = float(1 << int(kRescaleThreshold));
 
 }  // namespace jax_flash

@@ -540,7 +540,7 @@ struct RowSoftmax {
   // without the tile's own max, and adds the rows' sums: the max's FMNMX chain and shuffles, the
   // rescale factors and the accumulator rescale are update's work on every tile (v3's forward
   // measured the same idea, docs/perf-notes-v3.md, session 20). Valid while every probability
-  // stays below 2^kRescaleThreshold; each thread's partial sum of a row bounds its elements, so
+  // stays below kProbabilitySumBound; each thread's partial sum of a row bounds its elements, so
   // the check needs no shuffle. Returns false, warp-uniformly, when a partial sum reaches the
   // bound, is NaN, or a row has no max yet (its terms are inf or NaN): `s` then holds no scores
   // and the statistics are unchanged; the caller recomputes the scores and runs update. The
@@ -549,7 +549,6 @@ struct RowSoftmax {
   template <int NT>
   __device__ bool exponentiate_at_running_max(float (&s)[MT][NT][4], float mul, int r0,
                                               int q_len, int lane) {
-    constexpr float kBound = float(1 << int(kRescaleThreshold));
     float row_sum[kRows];
     bool fits = true;
 #pragma unroll
@@ -564,7 +563,7 @@ struct RowSoftmax {
           s[m][n][e] = fast_exp2(s[m][n][e] * mul - base);
           row_sum[r] += s[m][n][e];
         }
-      fits &= row_sum[r] < kBound;
+      fits &= row_sum[r] < kProbabilitySumBound;
     }
     if (!__all_sync(0xffffffffu, fits)) return false;
 #pragma unroll

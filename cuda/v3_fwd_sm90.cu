@@ -655,7 +655,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[Cfg::kBlockN / 2], Row
 // follows the softmax's instruction count (docs/perf-notes-v3.md, session 20). Here
 // P = exp2((s - max) * scale_log2) goes straight into the PV GEMM's fragments pa and the
 // block's sums into st.sum; s is left as it was. That is valid while every P stays below
-// 2^kRescaleThreshold (softmax_constants.h); each thread's partial sum of a row bounds its
+// kProbabilitySumBound (softmax_constants.h); each thread's partial sum of a row bounds its
 // elements, so the check needs no quad shuffle. Returns false, warp-uniformly and with only pa
 // changed, when a partial sum reaches the bound, is NaN, or a row has no running max yet (-inf:
 // its P are inf or NaN); the caller then runs online_softmax on s, which moves the max to the
@@ -686,8 +686,10 @@ __device__ __forceinline__ bool softmax_at_running_max(const float (&s)[Cfg::kBl
       pa[kk][j] = pack2<typename Cfg::Element>(lo, hi);
     }
   }
-  constexpr float kBound = float(1 << int(kRescaleThreshold));
-  if (!__all_sync(0xffffffff, block_sum[0] < kBound && block_sum[1] < kBound)) return false;
+  if (!__all_sync(0xffffffff, block_sum[0] < kProbabilitySumBound &&
+                                  block_sum[1] < kProbabilitySumBound)) {
+    return false;
+  }
   st.sum[0] += block_sum[0];
   st.sum[1] += block_sum[1];
   return true;
