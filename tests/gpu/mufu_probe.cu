@@ -4,7 +4,10 @@
 // of exp2 plus an add (so that the values stay in range and the chain cannot be folded).
 //   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a tests/gpu/mufu_probe.cu -o /tmp/mufu_probe
 // Prints the best of 5 timed launches per form: instructions per second and exponentials per
-// second (2 per packed instruction).
+// second (2 per packed instruction). Then (session 21, docs/perf-notes.md) the f32 form and a
+// softmax's mix (FFMA, ex2, a row sum, a bf16x2 pack per two) by warps per sub-core, one CTA per
+// SM: how close one warp per sub-core, as a v3 consumer warpgroup's softmax runs, comes to the
+// MUFU's 16 exponentials per SM clock.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -111,11 +114,92 @@ bool measure(const char* name) {
   return err == cudaSuccess;
 }
 
+// Per element: x = fma(v, a, b), p = exp2(x), a row sum (two rows, alternately), half a bf16x2
+// pack; the next value depends on p, so that the chains cannot be folded.
+__global__ void softmax_mix(long long* clocks, float* out) {
+  float v[16], sum0 = 0.f, sum1 = 0.f;
+  uint32_t packed = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = -0.01f * float(i + threadIdx.x % 7);
+  __syncthreads();
+  const long long t0 = clock64();
+  for (int it = 0; it < kIters; ++it) {
+#pragma unroll
+    for (int i = 0; i < 16; i += 2) {
+      const float lo = F32::step(fmaf(v[i], 0.999f, -0.001f)) + 1.5f;
+      const float hi = F32::step(fmaf(v[i + 1], 0.999f, -0.001f)) + 1.5f;
+      sum0 += lo;
+      sum1 += hi;
+      const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+      packed ^= *reinterpret_cast<const uint32_t*>(&p);
+      v[i] = lo - 1.f;
+      v[i + 1] = hi - 1.f;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) clocks[blockIdx.x] = clock64() - t0;
+  float s = sum0 + sum1 + float(packed & 1);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) s += v[i];
+  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
+
+// The f32 chains, clocked per CTA.
+__global__ void f32_chains_clocked(long long* clocks, float* out) {
+  float a[kChains];
+#pragma unroll
+  for (int j = 0; j < kChains; ++j) a[j] = -(0.5f + threadIdx.x * 1e-6f + j * 1e-3f);
+  __syncthreads();
+  const long long t0 = clock64();
+  for (int i = 0; i < kIters; ++i) {
+#pragma unroll
+    for (int j = 0; j < kChains; ++j) a[j] = F32::step(a[j]);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) clocks[blockIdx.x] = clock64() - t0;
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < kChains; ++j) s += a[j];
+  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
+
+// Exponentials per SM clock of `kernel` with one CTA of `warps_per_sub_core` x 4 warps per SM.
+bool by_warps(const char* name, void (*kernel)(long long*, float*), int per_thread) {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  long long* clocks = nullptr;
+  float* out = nullptr;
+  if (cudaMalloc(&clocks, sizeof(long long) * sms) != cudaSuccess) return false;
+  if (cudaMalloc(&out, sizeof(float) * sms * 512) != cudaSuccess) return false;
+  bool ok = true;
+  for (const int warps_per_sub_core : {1, 2, 4}) {
+    const int threads = 128 * warps_per_sub_core;
+    kernel<<<sms, threads>>>(clocks, out);  // warm-up
+    kernel<<<sms, threads>>>(clocks, out);
+    long long most = 0;
+    long long host[1024];
+    cudaMemcpy(host, clocks, sizeof(long long) * sms, cudaMemcpyDeviceToHost);
+    for (int i = 0; i < sms; ++i) most = host[i] > most ? host[i] : most;
+    const cudaError_t err = cudaGetLastError();
+    const double per_warp = double(kIters) * per_thread;  // exp2 instructions per warp
+    std::printf("%-12s %d warp(s) per sub-core: %5.2f exp2 per SM clock (of 16); a warp's exp2 "
+                "every %.1f clocks  (%s)\n",
+                name, warps_per_sub_core, per_warp * threads / double(most),
+                double(most) / per_warp, cudaGetErrorString(err));
+    ok &= err == cudaSuccess;
+  }
+  cudaFree(clocks);
+  cudaFree(out);
+  return ok;
+}
+
 }  // namespace
 
 int main() {
   bool ok = measure<F32>("f32");
   ok &= measure<Packed<__half2>>("f16x2");
   ok &= measure<Packed<__nv_bfloat162>>("bf16x2");
+  ok &= by_warps("f32 chains", f32_chains_clocked, kChains);
+  ok &= by_warps("softmax mix", softmax_mix, 16);
   return ok ? 0 : 1;
 }
