@@ -12,9 +12,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -67,15 +69,29 @@ struct Packed {
   }
 };
 
+// With `clocks` (one per CTA), the clocks a CTA spends in its loop, between two barriers so that
+// its slowest warp counts; null: not clocked.
+__device__ long long start_cta_clock(const long long* clocks) {
+  if (clocks != nullptr) __syncthreads();
+  return clock64();
+}
+__device__ void stop_cta_clock(long long* clocks, long long start) {
+  if (clocks == nullptr) return;
+  __syncthreads();
+  if (threadIdx.x == 0) clocks[blockIdx.x] = clock64() - start;
+}
+
 template <class Form>
-__global__ void exp2_chains(float* out, float seed) {
+__global__ void exp2_chains(float* out, float seed, long long* clocks) {
   typename Form::Reg a[kChains];
 #pragma unroll
   for (int j = 0; j < kChains; ++j) a[j] = Form::init(-(seed + threadIdx.x * 1e-6f + j * 1e-3f));
+  const long long start = start_cta_clock(clocks);
   for (int i = 0; i < kIters; ++i) {
 #pragma unroll
     for (int j = 0; j < kChains; ++j) a[j] = Form::step(a[j]);
   }
+  stop_cta_clock(clocks, start);
   float s = 0.f;
 #pragma unroll
   for (int j = 0; j < kChains; ++j) s += Form::sum(a[j]);
@@ -92,11 +108,11 @@ bool measure(const char* name) {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  exp2_chains<Form><<<blocks, threads>>>(out, 0.5f);  // warm-up
+  exp2_chains<Form><<<blocks, threads>>>(out, 0.5f, nullptr);  // warm-up
   float best = 1e30f;
   for (int r = 0; r < 5; ++r) {
     cudaEventRecord(start);
-    exp2_chains<Form><<<blocks, threads>>>(out, 0.5f);
+    exp2_chains<Form><<<blocks, threads>>>(out, 0.5f, nullptr);
     cudaEventRecord(stop);
     cudaEventSynchronize(stop);
     float ms = 0.f;
@@ -116,13 +132,12 @@ bool measure(const char* name) {
 
 // Per element: x = fma(v, a, b), p = exp2(x), a row sum (two rows, alternately), half a bf16x2
 // pack; the next value depends on p, so that the chains cannot be folded.
-__global__ void softmax_mix(long long* clocks, float* out) {
+__global__ void softmax_mix(float* out, long long* clocks) {
   float v[16], sum0 = 0.f, sum1 = 0.f;
   uint32_t packed = 0;
 #pragma unroll
   for (int i = 0; i < 16; ++i) v[i] = -0.01f * float(i + threadIdx.x % 7);
-  __syncthreads();
-  const long long t0 = clock64();
+  const long long start = start_cta_clock(clocks);
   for (int it = 0; it < kIters; ++it) {
 #pragma unroll
     for (int i = 0; i < 16; i += 2) {
@@ -136,50 +151,32 @@ __global__ void softmax_mix(long long* clocks, float* out) {
       v[i + 1] = hi - 1.f;
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0) clocks[blockIdx.x] = clock64() - t0;
+  stop_cta_clock(clocks, start);
   float s = sum0 + sum1 + float(packed & 1);
 #pragma unroll
   for (int i = 0; i < 16; ++i) s += v[i];
   out[blockIdx.x * blockDim.x + threadIdx.x] = s;
 }
 
-// The f32 chains, clocked per CTA.
-__global__ void f32_chains_clocked(long long* clocks, float* out) {
-  float a[kChains];
-#pragma unroll
-  for (int j = 0; j < kChains; ++j) a[j] = -(0.5f + threadIdx.x * 1e-6f + j * 1e-3f);
-  __syncthreads();
-  const long long t0 = clock64();
-  for (int i = 0; i < kIters; ++i) {
-#pragma unroll
-    for (int j = 0; j < kChains; ++j) a[j] = F32::step(a[j]);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) clocks[blockIdx.x] = clock64() - t0;
-  float s = 0.f;
-#pragma unroll
-  for (int j = 0; j < kChains; ++j) s += a[j];
-  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
-}
-
-// Exponentials per SM clock of `kernel` with one CTA of `warps_per_sub_core` x 4 warps per SM.
-bool by_warps(const char* name, void (*kernel)(long long*, float*), int per_thread) {
+// Exponentials per SM clock with one CTA of `warps_per_sub_core` x 4 warps per SM, for 1, 2 and 4
+// warps per sub-core; launch(ctas, threads, out, clocks) runs the kernel, per_thread its exp2
+// instructions per thread and iteration.
+template <class Launch>
+bool by_warps(const char* name, Launch launch, int per_thread) {
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   long long* clocks = nullptr;
   float* out = nullptr;
-  if (cudaMalloc(&clocks, sizeof(long long) * sms) != cudaSuccess) return false;
-  if (cudaMalloc(&out, sizeof(float) * sms * 512) != cudaSuccess) return false;
-  bool ok = true;
+  bool ok = cudaMalloc(&clocks, sizeof(long long) * sms) == cudaSuccess &&
+            cudaMalloc(&out, sizeof(float) * sms * 512) == cudaSuccess;
+  std::vector<long long> host(sms);
   for (const int warps_per_sub_core : {1, 2, 4}) {
+    if (!ok) break;
     const int threads = 128 * warps_per_sub_core;
-    kernel<<<sms, threads>>>(clocks, out);  // warm-up
-    kernel<<<sms, threads>>>(clocks, out);
-    long long most = 0;
-    long long host[1024];
-    cudaMemcpy(host, clocks, sizeof(long long) * sms, cudaMemcpyDeviceToHost);
-    for (int i = 0; i < sms; ++i) most = host[i] > most ? host[i] : most;
+    launch(sms, threads, out, clocks);  // warm-up
+    launch(sms, threads, out, clocks);
+    cudaMemcpy(host.data(), clocks, sizeof(long long) * sms, cudaMemcpyDeviceToHost);
+    const long long most = *std::max_element(host.begin(), host.end());
     const cudaError_t err = cudaGetLastError();
     const double per_warp = double(kIters) * per_thread;  // exp2 instructions per warp
     std::printf("%-12s %d warp(s) per sub-core: %5.2f exp2 per SM clock (of 16); a warp's exp2 "
@@ -199,7 +196,17 @@ int main() {
   bool ok = measure<F32>("f32");
   ok &= measure<Packed<__half2>>("f16x2");
   ok &= measure<Packed<__nv_bfloat162>>("bf16x2");
-  ok &= by_warps("f32 chains", f32_chains_clocked, kChains);
-  ok &= by_warps("softmax mix", softmax_mix, 16);
+  ok &= by_warps(
+      "f32 chains",
+      [](int ctas, int threads, float* out, long long* clocks) {
+        exp2_chains<F32><<<ctas, threads>>>(out, 0.5f, clocks);
+      },
+      kChains);
+  ok &= by_warps(
+      "softmax mix",
+      [](int ctas, int threads, float* out, long long* clocks) {
+        softmax_mix<<<ctas, threads>>>(out, clocks);
+      },
+      16);
   return ok ? 0 : 1;
 }
