@@ -1199,8 +1199,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
 //   kTall: head dim 64, 192 x 128 (three consumer warpgroups);
 //   kTall: head dim 128, 192 x 80 (three consumer warpgroups at 160 registers: O 64, S 40 and
 //          P 20 per thread): the other two warpgroups' GEMMs, not one, run beside a warpgroup's
-//          softmax. Per row 5-6% faster than the 128-row tiles on long sequences (harness,
-//          settled, docs/perf-notes.md session 22), 2% slower at T = 1024.
+//          softmax. Per row 4.5-5.5% faster than the 128-row tile on long sequences (harness,
+//          settled, docs/perf-notes.md session 22), 3% slower at T = 1024.
 //   kWide: head dim 128, 128 x 192: each key block's fixed cost (row-max reductions, pingpong
 //          hand-offs, wgmma waits) spread over 1.5x the keys; one Q buffer (next to two 192-key
 //          K / V stages shared memory holds no second one), so no tile fusion. Measured -1.0%

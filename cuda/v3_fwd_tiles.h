@@ -29,12 +29,13 @@ struct TallTileRule {
 // tiles on 132 SMs, +2.1%); the 128-row tile alone at B = 1 N = 32 T = 2048 (-2.3% against the
 // tall tile). Below 1024 rows (not measured) the 128-row tile runs alone.
 constexpr TallTileRule kTallTileRule64 = {1024, 138, false};
-// Head dim 128 (192 x 80 tile, docs/perf-notes.md session 22): a tall round costs 1.46-1.47 of a
-// 128-row one at T = 4096 and 16384 (harness, settled; 1.53 at T = 1024, where it loses). Its
-// gain is the rounds': at T = 16384 with 16 heads the tall tile alone fills 10.4 of 11 rounds,
-// while 82 tall tiles per head fill 10 and the rest of the rows one 128-row round (-1..-2.5%
-// time against the 128-row tiles alone); at T = 4096 with 64 heads, 20 tall tiles per head
-// (-1%).
+// Head dim 128 (192 x 80 tile, docs/perf-notes.md session 22): a tall round costs 1.47-1.49 of a
+// 128-row one at T = 16384, 1.47 at T = 4096 (harness, settled). Its gain is the rounds': with
+// 16 heads of 16384 rows the tall tile alone fills 10.4 of 11 rounds, while 82 tall tiles per
+// head fill 10 and the rest of the rows one 128-row round: -2.0..-2.6% time against the wide
+// tile alone (the previous choice); 64 heads of 4096 rows, 20 tall tiles per head: -0.1..-0.6%
+// against the 128-row tile alone. Below 4096 rows (T = 1024: a tall round costs 1.54, the split
+// +5%) the 128-row tile runs alone.
 constexpr TallTileRule kTallTileRule128 = {4096, 147, true};
 
 // How many rows of each sequence run on the 192-row tile, the rest on the 128-row tile (a second
