@@ -1198,9 +1198,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
 // and the alternatives that alternative_rows picks by sequence length and masking:
 //   kTall: head dim 64, 192 x 128 (three consumer warpgroups);
 //   kTall: head dim 128, 192 x 80 (three consumer warpgroups at 160 registers: O 64, S 40 and
-//          P 20 per thread): the other two warpgroups' GEMMs, not one, run beside a warpgroup's
-//          softmax. Per row 4.5-5.5% faster than the 128-row tile on long sequences (harness,
-//          settled, docs/perf-notes.md session 22), 3% slower at T = 1024.
+//          P 20 per thread): two warpgroups' GEMMs run beside a warpgroup's softmax, though the
+//          tensor pipe stays as busy as on the wide tile (ncu 85%: each warpgroup's own cycle
+//          sets the pace). Per row 4.5-5.5% faster than the 128-row tile on long sequences
+//          (harness, settled, docs/perf-notes.md session 22), 3% slower at T = 1024.
 //   kWide: head dim 128, 128 x 192: each key block's fixed cost (row-max reductions, pingpong
 //          hand-offs, wgmma waits) spread over 1.5x the keys; one Q buffer (next to two 192-key
 //          K / V stages shared memory holds no second one), so no tile fusion. Measured -1.0%
