@@ -37,8 +37,8 @@
 //     the other CTA passes those stage uses (produce_tile).
 //
 // Tiles (kBlockM x kBlockN): head dim 64: 128 x 128, or 192 x 128 (three consumer warpgroups)
-// on long sequences; 128: 128 x 128, or 128 x 192 on long ones; 256: 128 x 80. Two K / V
-// stages (three at head dim 64).
+// on long sequences; 128: 128 x 128, 192 x 80 (three consumer warpgroups) for most rows of long
+// ones, or 128 x 192 on long causal ones; 256: 128 x 80. Two K / V stages (three at head dim 64).
 //
 // Shared memory tiles are 64-column slabs of 128-byte rows in the 128-byte swizzle that TMA
 // writes and wgmma reads (slab c of a tile with R rows starts at c * R * 128 bytes). K-major
@@ -1197,6 +1197,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
 // Tile shapes per head dim (FlashAttention-3's choices where they fit this kernel's layout),
 // and the alternatives that alternative_rows picks by sequence length and masking:
 //   kTall: head dim 64, 192 x 128 (three consumer warpgroups);
+//   kTall: head dim 128, 192 x 80 (three consumer warpgroups at 160 registers: O 64, S 40 and
+//          P 20 per thread): two warpgroups' GEMMs run beside a warpgroup's softmax, though the
+//          tensor pipe stays as busy as on the wide tile (ncu 85%: each warpgroup's own cycle
+//          sets the pace). Per row 4.5-5.5% faster than the 128-row tile on long sequences
+//          (harness, settled, docs/perf-notes.md session 22), 3% slower at T = 1024.
 //   kWide: head dim 128, 128 x 192: each key block's fixed cost (row-max reductions, pingpong
 //          hand-offs, wgmma waits) spread over 1.5x the keys; one Q buffer (next to two 192-key
 //          K / V stages shared memory holds no second one), so no tile fusion. Measured -1.0%
@@ -1204,7 +1209,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
 //          Head dim 64's 128 x 256 does not fit: S of the next block, P and O need more than
 //          240 registers, and ptxas serializes the wgmmas.
 enum class TileShape { kStandard, kTall, kWide };
-constexpr int kWideBlockN = 192;
+constexpr int kWideBlockN = 192, kTallBlockN128 = 80;
 template <typename Element, int kHeadDim, TileShape kTile, int kClusterSize,
           bool kConditionalRescale, int kExp2EmulationPeriod>
 struct ConfigFor;
@@ -1214,7 +1219,10 @@ struct ConfigFor<Element, 64, kTile, C, R, E> {
 };
 template <typename Element, TileShape kTile, int C, bool R, int E>
 struct ConfigFor<Element, 128, kTile, C, R, E> {
-  using type = Config<Element, 128, kTile == TileShape::kWide ? kWideBlockN : 128, 2, R, E, C>;
+  static constexpr int kBlockN = kTile == TileShape::kWide   ? kWideBlockN
+                                 : kTile == TileShape::kTall ? kTallBlockN128
+                                                             : 128;
+  using type = Config<Element, 128, kBlockN, kTile == TileShape::kTall ? 3 : 2, R, E, C>;
 };
 template <typename Element, int C, bool R, int E>
 struct ConfigFor<Element, 256, TileShape::kStandard, C, R, E> {
@@ -1222,8 +1230,9 @@ struct ConfigFor<Element, 256, TileShape::kStandard, C, R, E> {
 };
 
 #ifdef JAX_FLASH_V3_TUNING_VARIANTS
-// Measurement builds: JAX_FLASH_V3_TILE (0 standard, 1 the head dim's alternative) and
-// JAX_FLASH_V3_CLUSTER (1 alone, 2 in pairs where allowed) override the choices below.
+// Measurement builds: JAX_FLASH_V3_TILE (0 standard, 1 the head dim's alternative for the rows,
+// 2 head dim 128's wide tile for any rows) and JAX_FLASH_V3_CLUSTER (1 alone, 2 in pairs where
+// allowed) override the choices below.
 int dispatch_override(const char* name) {
   const char* v = std::getenv(name);
   return v != nullptr ? std::atoi(v) : -1;
@@ -1244,33 +1253,42 @@ bool rows_are_interchangeable(const ForwardArgs& a) {
   return !m.is_causal && m.window_left < 0 && m.window_right < 0;
 }
 
-// How many leading rows of every sequence run on the head dim's alternative tile; the rest run on
-// its standard tile (a second launch where both parts have rows).
+// How many leading rows of every sequence run on the head dim's alternative tile (kTall at head
+// dims 64 and 128; kWide at 128 where rows are not interchangeable, see dispatch_head_dim); the
+// rest run on its standard tile (a second launch where both parts have rows).
 // Head dim 64: the 192-row tile is faster on long sequences (T = 16384: +19% non-causal, +10%
 // causal) and slower on short or causal ones, where its partial and diagonal tiles waste more
 // (T = 1024 causal: -13%); measured in docs/perf-notes-v3.md. Where rows are interchangeable,
 // v3_tall_tile_rows (cuda/v3_fwd_tiles.h) weighs the two; under causal masking or a window the
-// tall tile runs from 8192 rows on (2048 with a left window only). Head dim 128: the wide tile on
-// long sequences without a left window, from 4096 rows on, or from 16384 under causal masking
-// (a diagonal block of 192 keys wastes 64 more per tile, which only long tiles hide: measured
-// -2.2..-2.4% at T = 16384), where its last, partial key block pads the keys by at most 1% more
-// than 128-key blocks do.
+// tall tile runs from 8192 rows on (2048 with a left window only).
+// Head dim 128, rows interchangeable: v3_tall_tile_rows, where 80-key blocks pad the keys by at
+// most 2% more than 128-key blocks do (S = 4096: 4160 keys). Causal or a right window (no left
+// one): the wide tile from 16384 rows on (a diagonal block of 192 keys wastes 64 more per tile,
+// which only long tiles hide: measured -2.2..-2.4% at T = 16384), where its last, partial key
+// block pads the keys by at most 1% more than 128-key blocks do.
 int64_t alternative_rows(const ForwardArgs& a, int sm_count) {
   const MaskSpec& m = a.spec;
   const bool causal_like = m.is_causal || m.window_right >= 0;
   const int64_t t = a.shape.q_len, s = a.shape.kv_len;
+  const int64_t batch_heads = a.shape.batch * a.shape.num_heads;
 #ifdef JAX_FLASH_V3_TUNING_VARIANTS
   const int forced = dispatch_override("JAX_FLASH_V3_TILE");
-  if (forced == 0 || (forced == 1 && a.shape.head_dim == 256)) return 0;
-  if (forced == 1) return t;
+  if (forced == 0 || (forced >= 1 && a.shape.head_dim == 256)) return 0;
+  if (forced >= 1) return t;
 #endif
   if (a.shape.head_dim == 64) {
     if (rows_are_interchangeable(a))
-      return v3_tall_tile_rows(a.shape.batch * a.shape.num_heads, t, sm_count);
+      return v3_tall_tile_rows(batch_heads, t, sm_count, kTallTileRule64);
     return t >= (causal_like ? 8192 : 2048) ? t : 0;
   }
-  if (a.shape.head_dim != 128 || m.window_left >= 0 || t < (causal_like ? 16384 : 4096)) return 0;
+  if (a.shape.head_dim != 128) return 0;
   const auto padded = [s](int64_t n) { return (s + n - 1) / n * n; };
+  if (rows_are_interchangeable(a)) {
+    return padded(kTallBlockN128) * 100 <= padded(128) * 102
+               ? v3_tall_tile_rows(batch_heads, t, sm_count, kTallTileRule128)
+               : 0;
+  }
+  if (m.window_left >= 0 || t < 16384) return 0;
   return padded(kWideBlockN) * 100 <= padded(128) * 101 ? t : 0;
 }
 
@@ -1481,7 +1499,15 @@ cudaError_t dispatch_head_dim(const ForwardArgs& a, const V3Tuning& tuning, int 
                               cudaStream_t stream) {
   switch (a.shape.head_dim) {
     case 64: return launch_tile<Element, 64, TileShape::kTall>(a, tuning, sm_count, stream);
-    case 128: return launch_tile<Element, 128, TileShape::kWide>(a, tuning, sm_count, stream);
+    case 128:
+#ifdef JAX_FLASH_V3_TUNING_VARIANTS
+      if (dispatch_override("JAX_FLASH_V3_TILE") == 2)
+        return launch_tile<Element, 128, TileShape::kWide>(a, tuning, sm_count, stream);
+#endif
+      // alternative_rows: the tall tile where rows are interchangeable, else the wide one.
+      return rows_are_interchangeable(a)
+                 ? launch_tile<Element, 128, TileShape::kTall>(a, tuning, sm_count, stream)
+                 : launch_tile<Element, 128, TileShape::kWide>(a, tuning, sm_count, stream);
     case 256:
       return launch_clustered<Element, 256, TileShape::kStandard>(a, {0, a.shape.q_len}, tuning,
                                                                   sm_count, stream);

@@ -36,9 +36,11 @@ FORWARD_CASES = [
     # ... and for rows [0, 1152) only, the rest on the 128-row tile in a second launch (132
     # heads); query lengths that end a sequence in either part
     Case(b=2, t=1252, s=100, n=66, k=6, h=64, seqlens=True),
-    # long enough for v3's 128 x 192 head dim 128 tile (non-causal, >= 4096 rows, keys that
-    # 192-key blocks do not pad more than 128-key ones: 384)
-    Case(b=1, t=4096, s=384, n=2, k=1, h=128),
+    # v3's 192-row head dim 128 tile (non-causal, >= 4096 rows, keys that 80-key blocks do not
+    # pad more than 128-key ones): alone (6 heads: one round on an H200's 132 SMs), and for rows
+    # [0, 3840) only, the rest on the 128-row tile in a second launch (66 heads)
+    Case(b=1, t=4096, s=160, n=6, k=2, h=128),
+    Case(b=1, t=4096, s=80, n=66, k=6, h=128),
     # v3 in clusters of two CTAs sharing K / V loads (an even number of 128-row m-blocks; these
     # non-causal, the causal ones in test_v3_long_causal_rows_match_float64): GQA at head dims 64
     # and 128, keys not a multiple of the key block, sequence lengths (a tile without rows beside

@@ -164,28 +164,35 @@ int main() {
     std::printf("every n: d = %lld\n", (long long)d);
   }
 
-  // The rule's choice (rows on the 192-row tile, 132 SMs) for each shape it was measured on
-  // (docs/perf-notes-v3.md, session 19): B, N, T, rows.
-  const int64_t measured[][4] = {{16, 32, 1024, 768},   {4, 32, 4096, 3840}, {1, 32, 16384, 16384},
-                                 {8, 32, 2048, 1920},   {4, 32, 3000, 3000}, {16, 32, 1100, 1100},
-                                 {1, 32, 2048, 0}};
+  // The rule's choice (rows on the 192-row tile, 132 SMs) for each shape it was measured on:
+  // head dim 64 in docs/perf-notes-v3.md (session 19), 128 in docs/perf-notes.md (session 22).
+  // H, B, N, T, rows.
+  const int64_t measured[][5] = {
+      {64, 16, 32, 1024, 768},  {64, 4, 32, 4096, 3840}, {64, 1, 32, 16384, 16384},
+      {64, 8, 32, 2048, 1920},  {64, 4, 32, 3000, 3000}, {64, 16, 32, 1100, 1100},
+      {64, 1, 32, 2048, 0},     {128, 1, 16, 16384, 15744}, {128, 4, 16, 4096, 3840},
+      {128, 16, 16, 1024, 0}};
+  const auto rule_of = [](int64_t head_dim) {
+    return head_dim == 64 ? jax_flash::kTallTileRule64 : jax_flash::kTallTileRule128;
+  };
   for (const auto& m : measured) {
-    const int64_t rows = jax_flash::v3_tall_tile_rows(m[0] * m[1], m[2], 132);
-    if (rows != m[3] && ++failures <= 10)
-      std::printf("FAIL tile rule B=%lld N=%lld T=%lld: %lld rows on the 192-row tile, measured "
-                  "best %lld\n", (long long)m[0], (long long)m[1], (long long)m[2],
-                  (long long)rows, (long long)m[3]);
+    const int64_t rows = jax_flash::v3_tall_tile_rows(m[1] * m[2], m[3], 132, rule_of(m[0]));
+    if (rows != m[4] && ++failures <= 10)
+      std::printf("FAIL tile rule H=%lld B=%lld N=%lld T=%lld: %lld rows on the 192-row tile, "
+                  "measured best %lld\n", (long long)m[0], (long long)m[1], (long long)m[2],
+                  (long long)m[3], (long long)rows, (long long)m[4]);
   }
   // BENCHMARK.md's grid: bf16, B T = 16384, N H = 2048, K = N; the launches' block rows
   // (alternative_rows, v3_fwd_sm90.cu; 132 SMs): head dim 64 runs the 192-row tile from T = 8192
-  // causal on, and non-causal rows as v3_tall_tile_rows splits them between the two tiles.
+  // causal on, and non-causal rows of head dims 64 and 128 as v3_tall_tile_rows splits them
+  // between the two tiles.
   count = 0;
   for (int64_t h : {64, 128, 256})
     for (int64_t t : {1024, 4096, 16384})
       for (bool causal : {false, true}) {
         const int64_t b = 16384 / t, n = 2048 / h;
-        if (h == 64 && !causal) {
-          const int64_t tall = jax_flash::v3_tall_tile_rows(b * n, t, 132);
+        if (h != 256 && !causal) {
+          const int64_t tall = jax_flash::v3_tall_tile_rows(b * n, t, 132, rule_of(h));
           if (tall > 0) count += check_layout({b, n, n, tall, h, 192, false, t});
           if (tall < t) count += check_layout({b, n, n, t - tall, h, 128, false, t});
           continue;

@@ -342,20 +342,22 @@ std::vector<Case> check_cases() {
   // head dim 64 put 2 of the 3 heads in a group; the causal one pairs its m-blocks.
   cs.push_back({bf, 1, 200, 40000, 3, 3, 64});
   cs.push_back({hf, 1, 600, 40000, 3, 3, 64, true});
-  // Head dim 128's wide tile (128 x 192 key blocks, one Q buffer; alternative_rows in the kernel):
-  // non-causal from 4096 query rows on, where 192-key blocks pad the keys no more than 128-key
-  // ones (384 = 2 x 192; 576 = 3 x 192, cut to 200 keys by kv_seqlens in batch 1).
-  cs.push_back({bf, 1, 4096, 384, 2, 1, 128});
-  cs.push_back(Case{hf, 2, 4100, 576, 2, 2, 128}.ragged({4100, 1000}, {576, 200}));
-  // ... and causal from 16384 rows on (m-block pairs, a diagonal inside a 192-key block).
+  // Head dim 128's 192 x 80 tile (three consumer warpgroups; alternative_rows in the kernel):
+  // non-causal from 4096 rows on where its rounds of the persistent grid cost least on 132 SMs.
+  // 66 heads of 4096 rows: the first 3840 rows of each (10 rounds of 192-row tiles), the rest on
+  // the 128-row tile; 66 heads of 4100 rows (GQA 11:1, ragged): all rows, the last tile partial.
+  cs.push_back({bf, 1, 4096, 400, 66, 66, 128});
+  cs.push_back(Case{hf, 2, 4100, 300, 33, 3, 128}.ragged({4100, 2000}, {300, 77}));
+  // Head dim 128's wide tile (128 x 192 key blocks, one Q buffer): causal from 16384 rows on
+  // (m-block pairs, a diagonal inside a 192-key block).
   cs.push_back({bf, 1, 16384, 16384, 1, 1, 128, true});
   // Clusters of two CTAs sharing K / V loads (non-causal, no window, an even number of
   // m-blocks; use_cluster in the kernel): several tiles per CTA at head dim 128 and on the
   // 192-row tile (12 m-blocks); key lengths by kv_seqlens, one of them 0 (both CTAs of the pair
   // skip the empty tiles); query lengths that leave one tile of a pair without rows (it runs
   // masked beside the other) or both (skipped). The cases above with two m-blocks (197 rows at
-  // head dim 64, 16 x 256 GQA, the ragged 200 x 300, the 40000-key L2 groups) and the wide
-  // tile's 4096 rows run clustered too.
+  // head dim 64, 16 x 256 GQA, the ragged 200 x 300, the 40000-key L2 groups) and head dim
+  // 128's 192-row tiles run clustered too.
   cs.push_back({bf, 16, 512, 512, 16, 16, 128});
   cs.push_back({bf, 2, 2304, 2304, 16, 4, 64});
   cs.push_back(Case{hf, 4, 512, 700, 8, 2, 128}.ragged({}, {700, 1, 0, 333}));
@@ -827,8 +829,9 @@ int main(int argc, char** argv) {
       ok &= check_case({DType::kBF16, 8, 384, 384, 12, 4, 64}, 10);  // 288 tiles: several per CTA
       // 192 causal units: one-block tiles (m-block 0) between fused multi-block ones
       ok &= check_case({DType::kBF16, 4, 640, 640, 16, 4, 128, true}, 11);
-      // Head dim 128's wide tile (alternative_rows), 64 tiles
-      ok &= check_case({DType::kBF16, 1, 4096, 384, 2, 1, 128}, 12);
+      // Head dim 128's 192 x 80 tile (alternative_rows: 6 heads of 4096 rows are one round of
+      // 132 tall tiles, against two of 128-row tiles), two key blocks per tile, in clusters
+      ok &= check_case({DType::kBF16, 1, 4096, 160, 6, 2, 128}, 12);
       // Clusters of two sharing K / V (use_cluster), an empty batch by kv_seqlens, and one by
       // q_seqlens beside one with rows for the first m-block only
       const Case pairs{DType::kBF16, 4, 256, 300, 8, 2, 128};
