@@ -1099,9 +1099,7 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
   c.my_barrier = scheduler_barrier(warpgroup);
   c.next_barrier = scheduler_barrier((warpgroup + 1) % W);
   c.leader = thread == 0;
-  // Broadcast from lane 0 so that the compiler knows it is warp-uniform: the S GEMM's A
-  // descriptor, derived from it, then lives in uniform registers.
-  c.q_rows = __shfl_sync(0xffffffff, smem + warpgroup * 64 * 128, 0);
+  c.q_rows = smem + warpgroup * 64 * 128;
   c.block_count = 0;
   c.q_count = 0;
   c.unreleased_q_buffer = -1;
