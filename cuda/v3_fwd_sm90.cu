@@ -1176,7 +1176,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
   }
   TIMELINE_EVENT(tl::kEntry, threadIdx.x == 0);
 
-  const int warpgroup = threadIdx.x / 128;
+  // Broadcast from lane 0 so that the compiler knows it is warp-uniform: the addresses derived
+  // from it (a warpgroup's Q rows, the S GEMM's A descriptor) then live in uniform registers.
+  // Not at head dim 256, where ptxas then spills 28-36 bytes.
+  const int warpgroup = Cfg::kHeadDim == 256 ? int(threadIdx.x / 128)
+                                             : __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
   if (warpgroup == 0) {
     shrink_registers<Cfg::kProducerRegisters>();
     if (threadIdx.x == 0) run_producer<Cfg>(p, smem, bars);
