@@ -1178,7 +1178,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) v3_forward_kernel(const __gr
 
   // Broadcast from lane 0 so that the compiler knows it is warp-uniform: the addresses derived
   // from it (a warpgroup's Q rows, the S GEMM's A descriptor) then live in uniform registers.
-  // Not at head dim 256, where ptxas then spills 28-36 bytes.
+  // Not at head dim 256: there ptxas spills 12-36 bytes with it, at each tile's start and end,
+  // and the tiles ran 0-6.5% slower (docs/perf-notes.md, session 23).
   const int warpgroup = Cfg::kHeadDim == 256 ? int(threadIdx.x / 128)
                                              : __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
   if (warpgroup == 0) {
