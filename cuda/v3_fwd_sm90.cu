@@ -1287,14 +1287,18 @@ int64_t alternative_rows(const ForwardArgs& a, int sm_count) {
     return t >= (causal_like ? 8192 : 2048) ? t : 0;
   }
   if (a.shape.head_dim != 128) return 0;
-  const auto padded = [s](int64_t n) { return (s + n - 1) / n * n; };
+  // Whether key blocks of block_n pad the keys by at most `percent` % more than 128-key ones do.
+  const auto pads_within = [s](int64_t block_n, int64_t percent) {
+    const auto padded = [s](int64_t n) { return (s + n - 1) / n * n; };
+    return padded(block_n) * 100 <= padded(128) * (100 + percent);
+  };
   if (rows_are_interchangeable(a)) {
-    return padded(kTallBlockN128) * 100 <= padded(128) * 102
+    return pads_within(kTallBlockN128, 2)
                ? v3_tall_tile_rows(batch_heads, t, sm_count, kTallTileRule128)
                : 0;
   }
   if (m.window_left >= 0 || t < 16384) return 0;
-  return padded(kWideBlockN) * 100 <= padded(128) * 101 ? t : 0;
+  return pads_within(kWideBlockN, 1) ? t : 0;
 }
 
 // Clusters of two CTAs sharing each K / V block (Config::kClusterSize): measured (harness,
