@@ -751,6 +751,38 @@ __device__ __forceinline__ void pass_dq_turn(int* semaphore) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
 }
 
+// Stores this warpgroup's dQ tiles to the staging buffer in the order add_dq describes.
+template <class Cfg>
+__device__ __forceinline__ void stage_dq(uint32_t staging, int thread,
+                                         const float (&dq)[Cfg::kDqRowTilesPerWg]
+                                                          [32 * Cfg::kDqSlabs]) {
+  constexpr int kV4PerRow = 8 * Cfg::kDqSlabs;
+#pragma unroll
+  for (int j = 0; j < 8 * Cfg::kDqTiles; ++j) {
+    const float* v = &dq[j / kV4PerRow][4 * (j % kV4PerRow)];
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(staging + j * 2048 +
+                                                                   16 * thread),
+                 "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
+                 : "memory");
+  }
+}
+
+// The owner's late dQ staging at head dim 128 (run_consumer, kStagesLate): thread 0 waits until
+// the reduce issued one step before has read the staging buffer, the owner's 128 threads store
+// `dq` there and fence it, and when `reduce`, thread 0 adds it to `tile` by one bulk reduce.
+template <class Cfg>
+__device__ __forceinline__ void stage_and_reduce_dq(uint32_t staging, float* tile, int thread,
+                                                    int warpgroup, bool reduce,
+                                                    const float (&dq)[Cfg::kDqRowTilesPerWg]
+                                                                     [32 * Cfg::kDqSlabs]) {
+  bulk_wait_reads();
+  named_barrier_sync(kDqStagedBarrier + warpgroup, 128);
+  stage_dq<Cfg>(staging, thread, dq);
+  fence_proxy_async_shared();
+  named_barrier_sync(kDqStagedBarrier + warpgroup, 128);
+  bulk_reduce_add(tile, staging, Cfg::kDqStageBytes, thread == 0 && reduce);
+}
+
 // Adds this warpgroup's kDqTiles dQ tiles (64 x 64, adjacent in dq_accum, each in fragment
 // order: float i of thread t at (i / 4) * 512 + 4 t + i % 4) into dq_accum. dq[r] holds row
 // tile r's kDqSlabs tiles, so float 4 j of the warpgroup's tiles is dq[j / kV4PerRow][4 (j %
@@ -778,14 +810,7 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const KeyBlock& kb, c
   constexpr int kV4PerRow = 8 * Cfg::kDqSlabs;
   constexpr int kDqThreads = 128 * Cfg::kDqWarpgroups;  // the threads that add dQ
   if constexpr (Cfg::kDqByBulkReduce) {
-#pragma unroll
-    for (int j = 0; j < 8 * Cfg::kDqTiles; ++j) {
-      const float* v = &dq[j / kV4PerRow][4 * (j % kV4PerRow)];
-      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(staging + j * 2048 +
-                                                                     16 * thread),
-                   "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
-                   : "memory");
-    }
+    stage_dq<Cfg>(staging, thread, dq);
     fence_proxy_async_shared();
     if constexpr (kDqReducer) {
       named_barrier_arrive(kDqStagedBarrier, kDqHandoffThreads);
@@ -995,6 +1020,14 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   constexpr bool kSplit = Cfg::kSplitHeadDim;
   constexpr bool kComputesDq = kRole != DqRole::kHelper;
   static_assert(kSplit == (kRole == DqRole::kShared));
+  // Head dim 128, default grid and mode: the owner keeps step i's dQ in registers over the back
+  // edge and stages it right after issuing step i + 1's S^T GEMM (stage_and_reduce_dq), so that
+  // its 16 stores run under that GEMM instead of holding the next step's GEMM issue.
+  // Session 24 (docs/perf-notes.md): backward -4.6% at T = 16384, -4.2% at 4096, -2.4% causal;
+  // the stores had cost ~18% (timing probe). Not at head dim 64 (+8.9%: ptxas spilled
+  // 340-432 bytes) nor in the GQA schedule's kernel (44 / 92 spilled bytes, not measured).
+  constexpr bool kStagesLate = kRole == DqRole::kOwner && Cfg::kHeadDim == 128 && !kGqa &&
+                               Cfg::kDqByBulkReduce && !kDqReducer;
   const int thread = threadIdx.x % 128;
   const Lane lane = Lane::of(thread);
   // This warpgroup's part of the block: key rows [key_row0, key_row0 + 64), S^T / dP^T query
@@ -1031,6 +1064,10 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   // The ring position of the step and of the one before (counters: no division by kStages).
   int stage = 0, last_stage = Cfg::kStages - 1;
   uint32_t phase = 0;
+  float dq[Cfg::kDqRowTilesPerWg][32 * Cfg::kDqSlabs];  // the helper has none
+#pragma unroll
+  for (int r = 0; r < Cfg::kDqRowTilesPerWg; ++r) fresh_accumulator(dq[r]);
+  float* staged_tile = p.dq_accum;  // kStagesLate: where the dQ in `dq` goes
   for (int it = 0; it < kb.steps; ++it) {
     const Step st = step_of(kb, first_head<kGqa>(p, kb), it);
     const int buffer = it % 2;
@@ -1051,6 +1088,10 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     wgmma_fence();
     issue_keys_by_queries<Cfg>(k_rows, GmmaDescriptor::kmajor(q_tile + query_col0 * 128), s);
     wgmma_commit();
+    // kStagesLate: the last step's dQ, staged and reduced while this S^T GEMM runs (step 0:
+    // nothing to reduce; the post-loop block below has the same steps).
+    if constexpr (kStagesLate)
+      stage_and_reduce_dq<Cfg>(dq_staging, staged_tile, thread, warpgroup, it > 0, dq);
     mbarrier_wait(bars.do_full + 8 * stage, phase);
     issue_keys_by_queries<Cfg>(v_rows, GmmaDescriptor::kmajor(do_tile + query_col0 * 128), dp);
     wgmma_commit();
@@ -1110,13 +1151,12 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
       // mode: the reducer's, which arrived up front for step 0).
       if constexpr (kDqReducer) {
         named_barrier_sync(kDqFreeBarrier, kDqHandoffThreads);
-      } else if constexpr (Cfg::kDqByBulkReduce) {
+      } else if constexpr (Cfg::kDqByBulkReduce && !kStagesLate) {
         bulk_wait_reads();
       }
       named_barrier_sync(kDsReadyBarrier + buffer, kConsumerThreads);
     }
 
-    float dq[Cfg::kDqRowTilesPerWg][32 * Cfg::kDqSlabs];  // the helper has none
     wgmma_fence();  // dq was read by the last step's adds
     if constexpr (kComputesDq) {
 #pragma unroll
@@ -1143,7 +1183,12 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
       for (int r = 0; r < Cfg::kDqRowTilesPerWg; ++r) fence_registers(dq[r]);
       if constexpr (kRole == DqRole::kOwner)
         named_barrier_arrive(kDsFreeBarrier + buffer, kConsumerThreads);
-      add_dq<Cfg, kDqReducer>(p, kb, st, warpgroup, thread, dq_staging, dq);
+      if constexpr (kStagesLate) {
+        staged_tile = DqAccum::tile(p.dq_accum, p, kb.batch, st.head,
+                                    st.m_block * Cfg::kDqRowTiles, 0, Cfg::kSlabs);
+      } else {
+        add_dq<Cfg, kDqReducer>(p, kb, st, warpgroup, thread, dq_staging, dq);
+      }
     }
     TIMELINE_STEP_EVENT(TIMELINE_CONSUMER(warpgroup, kStepEnd), it, kb.steps, thread == 0);
     last_stage = stage;
@@ -1156,6 +1201,8 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     named_barrier_sync(kDsFreeBarrier, kConsumerThreads);
     named_barrier_sync(kDsFreeBarrier + 1, kConsumerThreads);
   }
+  if constexpr (kStagesLate)  // the last step's dQ
+    stage_and_reduce_dq<Cfg>(dq_staging, staged_tile, thread, warpgroup, kb.steps > 0, dq);
   wgmma_wait<0>();
   fence_registers(dk);
   TIMELINE_EVENT(TIMELINE_CONSUMER(warpgroup, kDrained), thread == 0);
