@@ -50,6 +50,10 @@
 //            the layout of dq_accum) and adds it into the fp32 dq_accum by one bulk (TMA)
 //            reduce-add, while dK and then the next step's S^T / dP^T run, so the
 //            tensor-core queue does not drain between steps (see run_consumer, add_dq).
+//            Head dim 128 (default grid and mode): the owner stages a step's dQ only after
+//            issuing the next step's S^T GEMM, which its 16 stores then run under
+//            (stage_and_reduce_dq; the stores had held the next GEMM issue, ~18% of the
+//            backward's time).
 //        Deterministic mode: the dQ adds of a (batch, head, query block) are serialized in
 //        descending key block order by a semaphore per block (each element gets its partials
 //        added in the same order every run; see dq_turn); dK / dV are always deterministic
@@ -989,9 +993,9 @@ __device__ __forceinline__ void write_key_gradients(const BwdParams& p, const Ke
 // One step per (query head, query block); per step the tensor-core queue holds, in order:
 //   owner:  S^T, dP^T | dV (RS, P^T) | dQ (SS, both warpgroups' dS^T) | dK (SS, dS^T)
 //   helper: S^T, dP^T | dV (RS, P^T) | dK (SS, dS^T)
-// The step ends by waiting for dV (and dQ) only (wait_group 1), and the owner adds dQ, so the
-// next step's S^T and dP^T are issued while dK still runs: the queue never drains between
-// steps. The dK of step i (dS^T and Q from shared memory) completes before step i + 1's S^T,
+// The step ends by waiting for dV (and dQ) only (wait_group 1), and the owner adds dQ (head dim
+// 128: stages and adds it after issuing the next step's S^T, kStagesLate), so the next step's
+// S^T and dP^T are issued while dK still runs: the queue never drains between steps. The dK of step i (dS^T and Q from shared memory) completes before step i + 1's S^T,
 // which is where the stage is released.
 // dS^T exchange (head dims 64 / 128): dS^T alternates between two shared buffers. The helper
 // stores its rows of buffer i % 2 and arrives on ready[i % 2]; the owner stores its rows and
@@ -1157,7 +1161,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
       named_barrier_sync(kDsReadyBarrier + buffer, kConsumerThreads);
     }
 
-    wgmma_fence();  // dq was read by the last step's adds
+    wgmma_fence();  // dq was read by the last step's adds (kStagesLate: its staging)
     if constexpr (kComputesDq) {
 #pragma unroll
       for (int r = 0; r < Cfg::kDqRowTilesPerWg; ++r) fresh_accumulator(dq[r]);
