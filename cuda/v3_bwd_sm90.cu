@@ -995,8 +995,9 @@ __device__ __forceinline__ void write_key_gradients(const BwdParams& p, const Ke
 //   helper: S^T, dP^T | dV (RS, P^T) | dK (SS, dS^T)
 // The step ends by waiting for dV (and dQ) only (wait_group 1), and the owner adds dQ (head dim
 // 128: stages and adds it after issuing the next step's S^T, kStagesLate), so the next step's
-// S^T and dP^T are issued while dK still runs: the queue never drains between steps. The dK of step i (dS^T and Q from shared memory) completes before step i + 1's S^T,
-// which is where the stage is released.
+// S^T and dP^T are issued while dK still runs: the queue never drains between steps. The dK of
+// step i (dS^T and Q from shared memory) completes before step i + 1's S^T, which is where the
+// stage is released.
 // dS^T exchange (head dims 64 / 128): dS^T alternates between two shared buffers. The helper
 // stores its rows of buffer i % 2 and arrives on ready[i % 2]; the owner stores its rows and
 // waits on ready[i % 2] before its dQ GEMM. The helper waits before its stores only on
@@ -1028,7 +1029,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   // edge and stages it right after issuing step i + 1's S^T GEMM (stage_and_reduce_dq), so that
   // its 16 stores run under that GEMM instead of holding the next step's GEMM issue.
   // Session 24 (docs/perf-notes.md): backward -4.6% at T = 16384, -4.2% at 4096, -2.4% causal;
-  // the stores had cost ~18% (timing probe). Not at head dim 64 (+8.9%: ptxas spilled
+  // the stores had cost ~18% (timing probe). Not at head dim 64 (+8.8%: ptxas spilled
   // 340-432 bytes) nor in the GQA schedule's kernel (44 / 92 spilled bytes, not measured).
   constexpr bool kStagesLate = kRole == DqRole::kOwner && Cfg::kHeadDim == 128 && !kGqa &&
                                Cfg::kDqByBulkReduce && !kDqReducer;
