@@ -163,7 +163,7 @@ struct BwdConfig {
   // (one stage is 64 KB).
   static constexpr int kStages = kHeadDim == 64 || kSplitHeadDim ? 2 : 3;
   static constexpr int kProducerRegisters = 24;
-  // Per consumer warpgroup (setmaxnreg; the three warpgroups share 65,536 registers). Head
+  // Per consumer warpgroup (setmaxnreg; the three warpgroups share the launch allocation). Head
   // dims 64 / 128: the dQ owner holds the step's whole dQ (64 fp32 per thread, next to dK, dV
   // and the P^T fragments) and takes 256; the helper holds no dQ and takes 224. Other splits
   // (nvcc 13.0): 232 / 232 serialized the wgmmas (C7512, register resources), 256 / 232 and
@@ -173,7 +173,12 @@ struct BwdConfig {
   // C7512).
   static constexpr int kOwnerRegisters = kSplitHeadDim ? 240 : 256;
   static constexpr int kHelperRegisters = kSplitHeadDim ? 240 : 224;
-  static_assert(128 * (kProducerRegisters + kOwnerRegisters + kHelperRegisters) <= 65536);
+  // setmaxnreg only moves registers within the CTA's launch allocation (__launch_bounds__(
+  // kThreads, 1): 168 per thread, 504 per thread slot over the three warpgroups); an increase
+  // past what the others released waits forever (session 26's dQ warpgroup layout hung so).
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static_assert(128 * (kProducerRegisters + kOwnerRegisters + kHelperRegisters) <=
+                kThreads * kLaunchRegisters);
 
   static constexpr int kSlabs = kHeadDim / 64;
   // The step's dQ is kBlockM / 64 row tiles x kSlabs column slabs of 64 x 64. Head dims 64 /
