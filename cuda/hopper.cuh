@@ -207,6 +207,14 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// grow_registers / shrink_registers only move registers within the CTA's launch allocation
+// (__launch_bounds__(threads, 1): the registers per thread of a 64K file, in steps of 8); an
+// increase past what the other warpgroups released waits forever. A warp-specialized kernel's
+// split per thread slot of its warpgroups must stay within threads * this.
+__host__ __device__ constexpr int launch_registers_per_thread(int threads) {
+  return 65536 / threads / 8 * 8;
+}
+
 template <int kRegisters>
 __device__ __forceinline__ void grow_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegisters));

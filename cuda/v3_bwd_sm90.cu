@@ -173,12 +173,10 @@ struct BwdConfig {
   // C7512).
   static constexpr int kOwnerRegisters = kSplitHeadDim ? 240 : 256;
   static constexpr int kHelperRegisters = kSplitHeadDim ? 240 : 224;
-  // setmaxnreg only moves registers within the CTA's launch allocation (__launch_bounds__(
-  // kThreads, 1): 168 per thread, 504 per thread slot over the three warpgroups); an increase
-  // past what the others released waits forever (session 26's dQ warpgroup layout hung so).
-  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  // Within the launch allocation (168 per thread: 504 per thread slot over the three
+  // warpgroups; session 26's dQ warpgroup layout, over it, hung in setmaxnreg.inc).
   static_assert(128 * (kProducerRegisters + kOwnerRegisters + kHelperRegisters) <=
-                kThreads * kLaunchRegisters);
+                kThreads * launch_registers_per_thread(kThreads));
 
   static constexpr int kSlabs = kHeadDim / 64;
   // The step's dQ is kBlockM / 64 row tiles x kSlabs column slabs of 64 x 64. Head dims 64 /

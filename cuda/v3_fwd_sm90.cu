@@ -106,11 +106,11 @@ struct Config {
   // mbarriers per stage: K and V "full" and "empty", and in a cluster "peer" (exchange_release)
   static constexpr int kStageBarriers = kClusterSize > 1 ? 6 : 4;
 
-  // After setmaxnreg the CTA's 64K registers are split between the producer and consumers.
+  // After setmaxnreg the CTA's launch allocation is split between the producer and consumers.
   static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? 24 : 32;
   static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
   static_assert(128 * kProducerRegisters + 128 * kConsumerWarpgroups * kConsumerRegisters <=
-                65536);
+                kThreads * launch_registers_per_thread(kThreads));
 
   static constexpr int kSlabs = kHeadDim / 64;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
