@@ -289,7 +289,10 @@ def test_agrees_with_jax_nn(kwargs, rng):
   case = Case(b=2, t=19, s=19, n=4, k=2, h=32, dtype=API_DTYPE)
   x = make_inputs(case, rng)
   bias = jnp.asarray(rng.standard_normal((1, 4, 19, 19)), jnp.float32)
-  mask = jnp.asarray(rng.random((2, 1, 19, 19)) > 0.2).at[:, :, :, 0].set(True)
+  # Every row keeps its own key, which the window and causal masking keep too: no row is fully
+  # masked, where jax.nn's mean of V and our 0 differ by design (docs/architecture.md). Column 0
+  # alone left rows of the window case fully masked in ~1% of seeds (e.g. 1165838422).
+  mask = jnp.asarray((rng.random((2, 1, 19, 19)) > 0.2) | np.eye(19, dtype=bool))
   f32 = [t.astype(jnp.float32) for t in (x.q, x.k, x.v)]
   want, want_lse = jax.nn.dot_product_attention(*f32, bias, mask, implementation="xla",
                                                 return_residual=True, **kwargs)
