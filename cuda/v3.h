@@ -130,8 +130,10 @@ struct V3BackwardWorkspace {
   float* dsum = nullptr;         // [B, N, T_pad] D = rowsum(dout * out); T_pad = T rounded to 128
   float* lse_log2 = nullptr;     // [B, N, T_pad] lse * log2(e), +inf for rows with no kept key
   int32_t* dq_semaphore = nullptr;  // deterministic mode only: per 64 query rows of a head
-  // GQA / MQA with few (key block, kv head, batch) CTAs per SM: fp32 dK / dV partials of the
-  // query-head split, [2][V3BackwardMaxKvSplit(shape)][B, S, K, H]. May be null (no split).
+  // fp32 dK / dV partials, [2][s][B, S, K, H]: of the GQA schedule's query-head split (GQA /
+  // MQA with few (key block, kv head, batch) CTAs per SM) or of the default grid's key blocks cut
+  // into parts (fewer such CTAs than SMs), s = the larger of V3BackwardMaxKvSplit(shape) and
+  // V3BackwardMaxBlockParts(shape). May be null (neither).
   float* dkv_partial = nullptr;
 };
 
@@ -140,7 +142,8 @@ struct V3BackwardWorkspaceBytes {
 };
 
 // Bytes of each workspace (dq_semaphore: 4 bytes when not deterministic, never 0; dkv_partial:
-// 2 * V3BackwardMaxKvSplit(shape) * B * S * K * H * 4 when that split is > 1, else 4 bytes).
+// 2 * s * B * S * K * H * 4 with s = max(V3BackwardMaxKvSplit(shape),
+// V3BackwardMaxBlockParts(shape)) when s > 1, else 4 bytes).
 V3BackwardWorkspaceBytes V3BackwardWorkspaceSizes(const AttentionShape& shape, bool deterministic);
 
 // The most CTAs per kv head the backward may split a GQA group's query heads over, from the
@@ -148,6 +151,11 @@ V3BackwardWorkspaceBytes V3BackwardWorkspaceSizes(const AttentionShape& shape, b
 // 4 x 132, where key blocks = ceil(S / 128) (ceil(S / 64) at head dim 256): the largest divisor
 // of heads_per_kv that is at most 4. jax_flash/schedules/v3.py mirrors this rule.
 int V3BackwardMaxKvSplit(const AttentionShape& shape);
+
+// The most CTAs the backward may cut a key block of its default grid into, from the shape alone
+// (1: never): 4 when key blocks x kv heads x batch < 132, else 1. Key blocks are 128 keys (64
+// at head dim 256). jax_flash/schedules/v3.py mirrors this rule.
+int V3BackwardMaxBlockParts(const AttentionShape& shape);
 
 // nullptr when V3Backward can run `args` on the current device, else the reason it cannot.
 const char* V3BackwardUnsupportedReason(const BackwardArgs& args);
@@ -163,14 +171,23 @@ cudaError_t V3Backward(const BackwardArgs& args, const V3BackwardWorkspace& work
 // V3Backward applies; -1 = the default grid (one CTA per key block, kv head and batch); S >= 1
 // = the GQA schedule (longest key blocks first, the kv head's query heads split over S CTAs;
 // S must divide heads_per_kv and, when > 1, be at most V3BackwardMaxKvSplit(shape) with
-// workspace.dkv_partial set). cudaErrorInvalidValue for a split it cannot take.
+// workspace.dkv_partial set). block_parts, with kv_split -1 only: the CTAs each key block of the
+// default grid is cut into, over shares of its query blocks: -1 = the rule's, 1 = whole, 2 ..
+// V3BackwardMaxBlockParts(shape) (normal mode, workspace.dkv_partial set).
+// cudaErrorInvalidValue for a schedule it cannot take.
 cudaError_t V3BackwardScheduled(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
-                                bool deterministic, int kv_split, cudaStream_t stream);
+                                bool deterministic, int kv_split, cudaStream_t stream,
+                                int block_parts = -1);
 
 // The schedule V3Backward would run on a device of sm_count SMs (0: the current device; host
 // only, no device needed otherwise): -1 = the default grid, else the GQA schedule's split.
 int V3BackwardChosenSplit(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
                           bool deterministic, int sm_count = 0);
+
+// The CTAs per key block V3Backward would cut its default grid into (1: whole, or the GQA
+// schedule), as above.
+int V3BackwardChosenBlockParts(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
+                               bool deterministic, int sm_count = 0);
 
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
 // ---- Timeline of the backward main kernel (measurement builds only: -DJAX_FLASH_V3_BWD_TIMELINE;

@@ -66,8 +66,11 @@
 //        from registers, as does the GQA schedule with a split (fp32 partials).
 //   3. postprocess (one CTA per 64 query rows of a (batch, head)): dq = scale * dq_accum,
 //      transposed through shared memory into 16-byte stores of whole rows.
-//   4. GQA schedule with a split only: dk = scale * sum of the dK partials, dv = sum of the
-//      dV partials, in slot order.
+//   4. GQA schedule with a split, or the default grid with its key blocks in parts, only: dk =
+//      scale * sum of the dK partials, dv = sum of the dV partials, in slot order.
+// Default grid with fewer CTAs than SMs (choose_block_parts: normal mode, when the count says
+// so): the main kernel (kPart) runs each key block as 2-4 CTAs over shares of its query blocks,
+// storing fp32 dK / dV partials that 4. sums, scales and converts.
 //
 // Head dim 256 (BwdConfig::kSplitHeadDim; same kernel, producer, pre/postprocess and
 // workspaces): dK + dV of a warpgroup's 64 keys over the whole head dim would be 256 fp32
@@ -262,9 +265,14 @@ struct BwdParams {
   // kv_split > 1 each CTA writes its unscaled fp32 dK, dV partials to slot `split` of
   // dkv_partial ([2][kv_split][B * kv_len * K * H]: dK slots, then dV slots), which
   // v3_backward_dkv_reduce_kernel sums in slot order.
+  // The default grid with its key blocks in parts (kPart kernels) stores its partials the same
+  // way, part p of a key block to slot p of kv_split = block_parts slots.
   float* dkv_partial;
   int64_t dkv_slot_elems;  // B * kv_len * K * H
   int kv_split, kv_split_log2, heads_per_cta;  // kv_split: 1, 2 or 4
+  // kPart kernels: the default grid's key blocks per kv head, and the CTAs (parts) per key
+  // block.
+  int key_blocks, block_parts;
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
   uint64_t* timeline;  // v3_bwd_timeline records (cuda/v3.h); null: none
 #endif
@@ -341,6 +349,7 @@ struct KeyBlock {
   int batch, kv_head, n_block;
   int q_rows, kv_cols;  // valid rows / keys of this batch
   int m_begin, m_end;   // query blocks [m_begin, m_end) hold every row that keeps a key here
+                        // (a part of the block split: its share of them)
   int steps;            // heads_per_kv * (m_end - m_begin); GQA schedule: heads_per_cta * ..
 };
 
@@ -354,13 +363,25 @@ struct KeyBlock {
 // adds wait only for higher key blocks of its group, dispatched before it); shortest first,
 // which the count finds no worse than the default grid's order (docs/perf-notes-v3.md).
 // kv head and batch straight from blockIdx in both modes, as in the default grid.
-template <class Cfg, bool kGqa>
+// kPart: one of the block_parts CTAs of a key block of the default grid (choose_block_parts):
+// blockIdx.x / block_parts is the key block's CTA in the default grid's order (key block fastest,
+// then kv head, then batch), blockIdx.x % block_parts its part, whose query blocks are its
+// share of the key block's.
+template <class Cfg, bool kGqa, bool kPart>
 __device__ KeyBlock key_block_of(const BwdParams& p) {
   KeyBlock kb;
+  int part = 0, parts = 1;
   if constexpr (kGqa) {
     kb.n_block = p.dq_semaphore != nullptr ? gridDim.z - 1 - blockIdx.z : blockIdx.z;
     kb.kv_head = blockIdx.x;
     kb.batch = blockIdx.y;
+  } else if constexpr (kPart) {
+    parts = p.block_parts;
+    part = int(blockIdx.x) % parts;
+    const int cta = int(blockIdx.x) / parts, kv_rows = cta / p.key_blocks;
+    kb.n_block = cta % p.key_blocks;
+    kb.kv_head = kv_rows % p.num_kv_heads;
+    kb.batch = kv_rows / p.num_kv_heads;
   } else {
     // Deterministic mode dispatches the key blocks in descending order: a key block waits only
     // for higher ones (dq_turn), which then are already resident or done.
@@ -374,6 +395,11 @@ __device__ KeyBlock key_block_of(const BwdParams& p) {
   const int c1 = min(c0 + Cfg::kBlockN, kb.kv_cols) - 1;
   kept_query_blocks(c0, c1, kb.q_rows, p.window_left, p.window_right, Cfg::kBlockM, &kb.m_begin,
                     &kb.m_end);
+  if (kPart && parts > 1) {
+    const int blocks = kb.m_end - kb.m_begin;
+    kb.m_end = kb.m_begin + (part + 1) * blocks / parts;
+    kb.m_begin += part * blocks / parts;
+  }
   kb.steps = (kGqa ? p.heads_per_cta : p.heads_per_kv) * (kb.m_end - kb.m_begin);
   return kb;
 }
@@ -948,8 +974,8 @@ __device__ __forceinline__ void store_key_gradients(const BwdParams& p, const Ke
 // dK or dV straight from the accumulator layout: this thread's two key rows (from key0) and
 // the warpgroup's columns (from col0: its first column + the lane's) of acc * scale into rows of
 // [B, kv_len, K, H] at dst; rows past kv_len skipped. Out = Element: converted, 4-byte stores
-// of pairs (head dim 256's epilogue, see write_key_gradients); Out = float: the GQA schedule's
-// unscaled fp32 partials (a dkv_partial slot), 8-byte stores.
+// of pairs (head dim 256's epilogue, see write_key_gradients); Out = float: unscaled fp32
+// partials (a dkv_partial slot of the GQA schedule or of a key block's part), 8-byte stores.
 template <class Cfg, typename Out>
 __device__ __forceinline__ void store_key_gradient_rows(const BwdParams& p, Out* dst,
                                                         const KeyBlock& kb, int key0, int col0,
@@ -1022,7 +1048,7 @@ __device__ __forceinline__ void write_key_gradients(const BwdParams& p, const Ke
 // buffer i % 2 was last read by step i - 2's dV and dQ GEMMs, which both warpgroups had
 // completed before passing step i - 1's barrier. The register fragments of the RS GEMMs die
 // at the step's wait_group 1 (they are older than the last group), not across the back edge.
-template <class Cfg, DqRole kRole, bool kGqa, bool kDqReducer>
+template <class Cfg, DqRole kRole, bool kGqa, bool kDqReducer, bool kPart>
 __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t smem,
                              const BwdBarriers& bars, int warpgroup) {
   constexpr bool kSplit = Cfg::kSplitHeadDim;
@@ -1246,16 +1272,26 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     }
     return;
   }
+  if constexpr (kPart) {  // partials, summed and converted by v3_backward_dkv_reduce_kernel
+    const int part = int(blockIdx.x) % p.block_parts;
+    store_key_gradient_rows<Cfg>(p, p.dkv_partial + part * p.dkv_slot_elems, kb, key0,
+                                 lane.col0 + grad_col0, dk, 1.f);
+    store_key_gradient_rows<Cfg>(p, p.dkv_partial + (p.block_parts + part) * p.dkv_slot_elems,
+                                 kb, key0, lane.col0 + grad_col0, dv, 1.f);
+    return;
+  }
   write_key_gradients<Cfg>(p, kb, smem, warpgroup, thread, key_row0, key0,
                            lane.col0 + grad_col0, dk, dv);
 }
 
 // kDqReducer: deterministic mode at head dims 64 / 128 (run_dq_reducer); the default mode's
-// kernels are the code of the build before it.
-template <class Cfg, bool kGqa, bool kDqReducer>
+// kernels are the code of the build before it. kPart: the default grid's key blocks cut into
+// block_parts CTAs each (normal mode).
+template <class Cfg, bool kGqa, bool kDqReducer, bool kPart = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     v3_backward_kernel(const __grid_constant__ BwdParams p) {
   static_assert(!kDqReducer || Cfg::kDqByBulkReduce);
+  static_assert(!kPart || (!kGqa && !kDqReducer));
   extern __shared__ uint8_t smem_raw[];
   // TMA's 128-byte swizzle and the wgmma descriptors assume 1024-byte-aligned tiles.
   const uint32_t raw = smem_address(smem_raw);
@@ -1275,7 +1311,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   __syncthreads();
   TIMELINE_EVENT(tl::kEntry, threadIdx.x == 0);
 
-  const KeyBlock kb = key_block_of<Cfg, kGqa>(p);
+  const KeyBlock kb = key_block_of<Cfg, kGqa, kPart>(p);
   TIMELINE_CTA_INFO(kb.steps, threadIdx.x == 0);
   // Broadcast from lane 0 so that the compiler knows it is warp-uniform: the consumer roles
   // below are separate wgmma paths, which ptxas otherwise treats as divergent (C7520).
@@ -1303,12 +1339,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // A separate instantiation per role: a branch on the role inside the loop, between wgmma
     // issue and wait, would be a divergent path to ptxas (C7520, serialized wgmmas).
     grow_registers<Cfg::kOwnerRegisters>();
-    run_consumer<Cfg, Cfg::kSplitHeadDim ? DqRole::kShared : DqRole::kOwner, kGqa, kDqReducer>(
+    run_consumer<Cfg, Cfg::kSplitHeadDim ? DqRole::kShared : DqRole::kOwner, kGqa, kDqReducer,
+                 kPart>(
         p, kb, smem, bars, 0);
     TIMELINE_EVENT(TIMELINE_CONSUMER(0, kExit), threadIdx.x == 128);
   } else {
     grow_registers<Cfg::kHelperRegisters>();
-    run_consumer<Cfg, Cfg::kSplitHeadDim ? DqRole::kShared : DqRole::kHelper, kGqa, kDqReducer>(
+    run_consumer<Cfg, Cfg::kSplitHeadDim ? DqRole::kShared : DqRole::kHelper, kGqa, kDqReducer,
+                 kPart>(
         p, kb, smem, bars, 1);
     TIMELINE_EVENT(TIMELINE_CONSUMER(1, kExit), threadIdx.x == 256);
   }
@@ -1450,9 +1488,9 @@ __global__ void __launch_bounds__(128) v3_backward_postprocess_kernel(
   }
 }
 
-// GQA schedule with kv_split > 1: dk = scale * sum of the dK slots, dv = sum of the dV slots,
-// added in slot order (deterministic). 4 elements per thread and iteration (16-byte loads, one
-// per slot and tensor; 8-byte stores); grid-stride.
+// GQA schedule with kv_split > 1, or the default grid's key blocks in parts: dk = scale * sum
+// of the dK slots, dv = sum of the dV slots, added in slot order (deterministic). 4 elements per
+// thread and iteration (16-byte loads, one per slot and tensor; 8-byte stores); grid-stride.
 template <typename Element>
 __global__ void __launch_bounds__(256) v3_backward_dkv_reduce_kernel(
     const float* __restrict__ partial, int64_t slot_elems, int splits, float scale, void* dk,
@@ -1516,10 +1554,14 @@ constexpr int kMaxKvSplit = 4;  // splits are 1, 2 or 4 (a power of two)
 constexpr int kWorkspaceSmCount = 132;
 // The GQA schedule is considered below this many default-grid CTAs per SM.
 constexpr int kGqaMaxCtasPerSm = 4;
+// The default grid's key blocks may be cut into up to this many CTAs each (choose_block_parts)
+// when the grid has fewer CTAs than SMs. (Cutting only the key blocks of a larger grid's partial
+// last wave measured no gain: docs/perf-notes.md, session 27.)
+constexpr int kMaxBlockParts = 4;
 // Model costs, in steps of one CTA (10.5 MFLOP, ~2.56 us on the H200 at H = 128; measured:
 // main kernel of H=128 T=4096 B=4 N=16, 1.48 ms causal / 580 modelled steps, 2.72 ms
 // non-causal / 1056): per-CTA overhead (K / V load, pipeline fill, dK / dV store), its extra
-// with fp32 partials, and the reduce kernel's traffic (~9 MB per step at ~3.5 TB/s) + launch.
+// with fp32 partials, and a reduce kernel's traffic (~9 MB per step at ~3.5 TB/s) + a launch.
 constexpr double kCtaOverheadSteps = 2.0;
 constexpr double kPartialStoreSteps = 0.5;
 constexpr double kReduceBytesPerStep = 9.0e6;
@@ -1550,9 +1592,19 @@ int64_t key_blocks(const AttentionShape& sh) {
   return (sh.kv_len + bn - 1) / bn;
 }
 
+// CTAs of the default grid: key blocks x kv heads x batch.
+int64_t default_grid_ctas(const AttentionShape& sh) {
+  return key_blocks(sh) * sh.num_kv_heads * sh.batch;
+}
+
+// The most CTAs per key block the dkv_partial workspace is sized for (1: never split).
+int workspace_block_parts(const AttentionShape& sh) {
+  return default_grid_ctas(sh) < kWorkspaceSmCount ? kMaxBlockParts : 1;
+}
+
 bool gqa_schedule_considered(const AttentionShape& sh, int sm_count) {
   if (sh.num_kv_heads <= 0 || sh.num_heads <= sh.num_kv_heads) return false;
-  return key_blocks(sh) * sh.num_kv_heads * sh.batch < int64_t(kGqaMaxCtasPerSm) * sm_count;
+  return default_grid_ctas(sh) < int64_t(kGqaMaxCtasPerSm) * sm_count;
 }
 
 // The largest split the dkv_partial workspace is sized for (1: none, a 4-byte workspace).
@@ -1577,8 +1629,16 @@ int64_t steps_per_head(const AttentionShape& sh, const BwdParams& p, int64_t n) 
   return end - begin;
 }
 
-// Modelled time (steps) of a schedule: split < 1 = the default grid, else the GQA schedule.
-double schedule_cost(const AttentionShape& sh, const BwdParams& p, bool deterministic, int split,
+// Steps of one head over each key block (full lengths).
+std::vector<int64_t> steps_per_key_block(const AttentionShape& sh, const BwdParams& p) {
+  std::vector<int64_t> per_head(size_t(key_blocks(sh)));
+  for (size_t n = 0; n < per_head.size(); ++n) per_head[n] = steps_per_head(sh, p, int64_t(n));
+  return per_head;
+}
+
+// Modelled time (steps) of a schedule: split < 1 = the default grid, its key blocks cut into
+// block_parts CTAs each, else the GQA schedule.
+double schedule_cost(const AttentionShape& sh, bool deterministic, int split, int block_parts,
                      int sm_count, const std::vector<int64_t>& per_head) {
   const int64_t blocks = int64_t(per_head.size());
   const bool gqa = split >= 1;
@@ -1589,21 +1649,27 @@ double schedule_cost(const AttentionShape& sh, const BwdParams& p, bool determin
   std::priority_queue<double, std::vector<double>, std::greater<double>> free_at;
   for (int i = 0; i < sm_count; ++i) free_at.push(0.0);
   double end = 0.0;
-  for (int64_t i = 0; i < blocks * groups; ++i) {
+  const auto run = [&](double steps) {  // the next CTA, on the first free SM
+    const double t = free_at.top() + steps;
+    free_at.pop();
+    free_at.push(t);
+    end = std::max(end, t);
+  };
+  const int parts = gqa ? 1 : block_parts;  // CTAs per key block
+  for (int64_t i = 0; i < blocks * groups * parts; ++i) {
     int64_t n;
     if (gqa) {  // key block slowest: ascending (longest first), deterministic descending
       n = deterministic ? blocks - 1 - i / groups : i / groups;
     } else {
-      const int64_t x = i % blocks;
+      const int64_t x = i / parts % blocks;
       n = deterministic ? blocks - 1 - x : x;
     }
-    const double t = free_at.top() + heads * double(per_head[n]) + overhead;
-    free_at.pop();
-    free_at.push(t);
-    end = std::max(end, t);
+    const int64_t part = i % parts, m = per_head[n];  // key_block_of's share of a part
+    run(heads * double((part + 1) * m / parts - part * m / parts) + overhead +
+        (parts > 1 ? kPartialStoreSteps : 0.0));
   }
-  if (s > 1) {
-    const double bytes = double(dkv_slot_elems(sh)) * (2.0 * s * 4 + 2 * 2);
+  if (s * parts > 1) {
+    const double bytes = double(dkv_slot_elems(sh)) * (2.0 * s * parts * 4 + 2 * 2);
     end += bytes / kReduceBytesPerStep + kReduceLaunchSteps;
   } else if (gqa) {
     end *= kUnsplitGqaFactor;
@@ -1611,36 +1677,74 @@ double schedule_cost(const AttentionShape& sh, const BwdParams& p, bool determin
   return end;
 }
 
-// -1: the default grid; else the GQA schedule with that many CTAs per kv head.
-int choose_schedule(const AttentionShape& sh, const BwdParams& p, bool deterministic,
-                    int sm_count, int max_split) {
-  if (!gqa_schedule_considered(sh, sm_count)) return -1;
+// The main kernel's grid: split -1 = the default grid, its key blocks cut into block_parts CTAs
+// each; S >= 1 = the GQA schedule with that many CTAs per kv head; -2 = none that the call can
+// take.
+struct BwdSchedule {
+  int split = -1;
+  int block_parts = 1;
+};
+
+// Whether cutting the default grid's key blocks is counted: normal mode, a grid of fewer CTAs
+// than SMs, partial slots available.
+bool block_parts_considered(const AttentionShape& sh, bool deterministic, int sm_count,
+                            int max_parts) {
+  return !deterministic && max_parts > 1 && default_grid_ctas(sh) < sm_count;
+}
+
+// The CTAs per key block of the default grid (1 .. max_parts) the count finds fastest; 1 (no
+// parts) unless 1% faster.
+int choose_block_parts(const AttentionShape& sh, bool deterministic, int sm_count, int max_parts,
+                       const std::vector<int64_t>& per_head) {
+  int best = 1;
+  if (!block_parts_considered(sh, deterministic, sm_count, max_parts)) return best;
+  double best_cost = schedule_cost(sh, deterministic, -1, 1, sm_count, per_head);
+  for (int parts = 2; parts <= max_parts; ++parts) {
+    const double cost = schedule_cost(sh, deterministic, -1, parts, sm_count, per_head);
+    if (cost < 0.99 * best_cost) {
+      best = parts;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+// The default grid (cut into parts or not) or the GQA schedule, whichever the count finds
+// faster.
+BwdSchedule choose_schedule(const AttentionShape& sh, const BwdParams& p, bool deterministic,
+                            int sm_count, int max_split, int max_parts) {
+  BwdSchedule best;
+  const bool gqa = gqa_schedule_considered(sh, sm_count);
+  if (!gqa && !block_parts_considered(sh, deterministic, sm_count, max_parts)) return best;
   struct Entry {
-    std::array<int64_t, 11> key;
-    int split;
+    std::array<int64_t, 12> key;
+    BwdSchedule schedule;
   };
   static std::mutex mutex;
   static std::vector<Entry> cache;
-  const std::array<int64_t, 11> key{sh.batch, sh.q_len, sh.kv_len, sh.num_heads, sh.num_kv_heads,
+  const std::array<int64_t, 12> key{sh.batch, sh.q_len, sh.kv_len, sh.num_heads, sh.num_kv_heads,
                                     sh.head_dim, p.window_left, p.window_right,
-                                    int64_t(deterministic), sm_count, max_split};
+                                    int64_t(deterministic), sm_count, max_split, max_parts};
   {
     std::lock_guard<std::mutex> lock(mutex);
     for (const Entry& e : cache)
-      if (e.key == key) return e.split;
+      if (e.key == key) return e.schedule;
   }
-  std::vector<int64_t> per_head(size_t(key_blocks(sh)));
-  for (size_t n = 0; n < per_head.size(); ++n) per_head[n] = steps_per_head(sh, p, int64_t(n));
-  const int64_t g = sh.num_heads / sh.num_kv_heads;
-  int best = -1;
-  double best_cost = schedule_cost(sh, p, deterministic, -1, sm_count, per_head);
-  for (int s = 1; s <= std::min<int64_t>(max_split, g); s *= 2) {
-    if (g % s != 0) continue;
-    const double cost = schedule_cost(sh, p, deterministic, s, sm_count, per_head);
-    if (cost < 0.99 * best_cost) {  // a smaller split unless 1% slower
-      best = s;
-      best_cost = cost;
+  const std::vector<int64_t> per_head = steps_per_key_block(sh, p);
+  best.block_parts = choose_block_parts(sh, deterministic, sm_count, max_parts, per_head);
+  if (gqa) {
+    const int64_t g = sh.num_heads / sh.num_kv_heads;
+    double best_cost =
+        schedule_cost(sh, deterministic, -1, best.block_parts, sm_count, per_head);
+    for (int s = 1; s <= std::min<int64_t>(max_split, g); s *= 2) {
+      if (g % s != 0) continue;
+      const double cost = schedule_cost(sh, deterministic, s, 1, sm_count, per_head);
+      if (cost < 0.99 * best_cost) {  // a smaller split unless 1% slower
+        best.split = s;
+        best_cost = cost;
+      }
     }
+    if (best.split >= 1) best.block_parts = 1;
   }
   std::lock_guard<std::mutex> lock(mutex);
   if (cache.size() >= 64) cache.erase(cache.begin());
@@ -1659,10 +1763,12 @@ BwdParams window_params(const BackwardArgs& a) {
   return p;
 }
 
-// split < 1: the default grid (v3_backward_kernel<Cfg, false, *>); else the GQA schedule.
+// schedule.split < 1: the default grid (v3_backward_kernel<Cfg, false, *>; the kPart kernel
+// when its key blocks are cut into block_parts > 1 CTAs); else the GQA schedule.
 template <class Cfg>
 cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bool deterministic,
-                        int split, cudaStream_t stream) {
+                        const BwdSchedule& schedule, cudaStream_t stream) {
+  const int split = schedule.split;
   const AttentionShape& sh = a.fwd.shape;
   BwdParams p;
   if (!encode_tensor_map(&p.tma_q, a.fwd.q, a.fwd.dtype, sh.batch, sh.q_len, sh.num_heads,
@@ -1698,20 +1804,25 @@ cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bo
   p.scale = spec.scale;
   set_score_params(p, spec);
 
-  const bool gqa = split >= 1;
+  const bool gqa = split >= 1, parts = !gqa && schedule.block_parts > 1;
   const int kv_split = gqa ? split : 1;
   p.kv_split = kv_split;
   p.kv_split_log2 = kv_split == 4 ? 2 : kv_split == 2 ? 1 : 0;
   p.heads_per_cta = p.heads_per_kv / kv_split;
-  p.dkv_partial = gqa ? ws.dkv_partial : nullptr;
-  p.dkv_slot_elems = gqa ? dkv_slot_elems(sh) : 0;
+  p.dkv_partial = gqa || parts ? ws.dkv_partial : nullptr;
+  p.dkv_slot_elems = gqa || parts ? dkv_slot_elems(sh) : 0;
   const int64_t blocks = key_blocks(sh), virtual_kv_heads = sh.num_kv_heads * kv_split;
   if (gqa && (blocks > 65535 || virtual_kv_heads > 65535)) return cudaErrorInvalidValue;
+  p.key_blocks = int(blocks);
+  p.block_parts = schedule.block_parts;
   // Default grid: key block 0 first (x fastest): under causal masking it has the most query
   // blocks, and deterministic mode needs lower key blocks dispatched before the higher ones
-  // that wait for them. GQA schedule: the key block the slowest index (key_block_of).
-  const dim3 grid = gqa ? dim3(unsigned(virtual_kv_heads), unsigned(sh.batch), unsigned(blocks))
-                        : dim3(unsigned(blocks), unsigned(sh.num_kv_heads), unsigned(sh.batch));
+  // that wait for them; a key block's parts one after another in that order. GQA schedule: the
+  // key block the slowest index (key_block_of).
+  const dim3 grid =
+      gqa     ? dim3(unsigned(virtual_kv_heads), unsigned(sh.batch), unsigned(blocks))
+      : parts ? dim3(unsigned(default_grid_ctas(sh) * schedule.block_parts))
+              : dim3(unsigned(blocks), unsigned(sh.num_kv_heads), unsigned(sh.batch));
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
   if (!timeline_buffer.fits(int64_t(grid.x) * grid.y * grid.z)) return cudaErrorInvalidValue;
   p.timeline = timeline_buffer.records;
@@ -1719,7 +1830,8 @@ cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bo
   // Deterministic mode at head dims 64 / 128: the kernels with the dQ reducer warp.
   constexpr bool kReducer = Cfg::kDqByBulkReduce;
   void (*const kernel)(BwdParams) =
-      deterministic && kReducer
+      parts ? v3_backward_kernel<Cfg, false, false, true>
+      : deterministic && kReducer
           ? (gqa ? v3_backward_kernel<Cfg, true, kReducer>
                  : v3_backward_kernel<Cfg, false, kReducer>)
           : (gqa ? v3_backward_kernel<Cfg, true, false> : v3_backward_kernel<Cfg, false, false>);
@@ -1732,7 +1844,9 @@ cudaError_t launch_main(const BackwardArgs& a, const V3BackwardWorkspace& ws, bo
 
 template <typename Element, int kHeadDim>
 cudaError_t launch_all(const BackwardArgs& a, const V3BackwardWorkspace& ws, bool deterministic,
-                       int split, int sm_count, cudaStream_t stream) {
+                       const BwdSchedule& schedule, int sm_count, cudaStream_t stream) {
+  using Cfg = typename BwdConfigFor<Element, kHeadDim>::type;
+  const int split = schedule.split;
   const AttentionShape& sh = a.fwd.shape;
   PrePostParams pp;
   pp.out = a.fwd.out;
@@ -1755,15 +1869,14 @@ cudaError_t launch_all(const BackwardArgs& a, const V3BackwardWorkspace& ws, boo
     v3_backward_preprocess_kernel<Element, kHeadDim><<<pre_grid, 256, 0, stream>>>(pp);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
-  err = launch_main<typename BwdConfigFor<Element, kHeadDim>::type>(a, ws, deterministic, split,
-                                                                    stream);
+  err = launch_main<Cfg>(a, ws, deterministic, schedule, stream);
   if (err != cudaSuccess) return err;
-  if (split > 1) {
+  if (const int slots = split > 1 ? split : schedule.block_parts; slots > 1) {
     const int64_t slot = dkv_slot_elems(sh);
     const int64_t blocks = std::min<int64_t>((slot / 4 + 255) / 256, int64_t(8) * sm_count);
     v3_backward_dkv_reduce_kernel<Element><<<unsigned(std::max<int64_t>(blocks, 1)), 256, 0,
-                                             stream>>>(ws.dkv_partial, slot, split, a.fwd.spec.scale,
-                                                       a.dk, a.dv);
+                                             stream>>>(ws.dkv_partial, slot, slots,
+                                                       a.fwd.spec.scale, a.dk, a.dv);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (sh.q_len > 0) {
@@ -1782,12 +1895,15 @@ V3BackwardWorkspaceBytes V3BackwardWorkspaceSizes(const AttentionShape& sh, bool
   b.dsum = rows * 4;
   b.lse_log2 = rows * 4;
   b.dq_semaphore = deterministic ? rows / kDqTileRows * 4 : 4;
-  const int split = workspace_kv_split(sh);
-  b.dkv_partial = split > 1 ? 2 * split * dkv_slot_elems(sh) * 4 : 4;
+  // Slots for the larger of the GQA split and the key blocks' parts.
+  const int slots = std::max(workspace_kv_split(sh), workspace_block_parts(sh));
+  b.dkv_partial = slots > 1 ? 2 * slots * dkv_slot_elems(sh) * 4 : 4;
   return b;
 }
 
 int V3BackwardMaxKvSplit(const AttentionShape& shape) { return workspace_kv_split(shape); }
+
+int V3BackwardMaxBlockParts(const AttentionShape& shape) { return workspace_block_parts(shape); }
 
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
 void V3BackwardSetTimeline(uint64_t* records, int64_t ctas) {
@@ -1828,19 +1944,39 @@ const char* unsupported_reason(const BackwardArgs& a, const DeviceInfo* info) {
 }
 
 // The schedule V3BackwardScheduled runs: kv_split 0 = choose_schedule's, else kv_split as given
-// (-1 = the default grid). Returns -2 for a kv_split this call cannot take.
-int resolve_split(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
-                  bool deterministic, int kv_split, int sm_count) {
+// (-1 = the default grid, its key blocks cut into block_parts CTAs each: -1 = choose_block_parts's
+// choice, 1 = whole). split -2: one this call cannot take.
+BwdSchedule resolve_schedule(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
+                             bool deterministic, int kv_split, int block_parts, int sm_count) {
   const AttentionShape& sh = args.fwd.shape;
-  const int max_split = workspace.dkv_partial != nullptr ? workspace_kv_split(sh) : 1;
-  if (kv_split == 0)
-    return choose_schedule(sh, window_params(args), deterministic, sm_count, max_split);
-  if (kv_split == -1) return -1;
+  const bool partials = workspace.dkv_partial != nullptr;
+  const int max_split = partials ? workspace_kv_split(sh) : 1;
+  const int max_parts = partials ? workspace_block_parts(sh) : 1;
+  BwdSchedule invalid;
+  invalid.split = -2;
+  if (kv_split == 0) {
+    if (block_parts != -1) return invalid;
+    return choose_schedule(sh, window_params(args), deterministic, sm_count, max_split, max_parts);
+  }
+  if (kv_split == -1) {
+    BwdSchedule s;
+    if (block_parts == -1) {
+      s.block_parts = choose_block_parts(sh, deterministic, sm_count, max_parts,
+                                         steps_per_key_block(sh, window_params(args)));
+    } else if (block_parts < 1 || block_parts > max_parts || (deterministic && block_parts > 1)) {
+      return invalid;
+    } else {
+      s.block_parts = block_parts;
+    }
+    return s;
+  }
   const int64_t g = sh.num_heads / sh.num_kv_heads;
-  if (kv_split < 1 || kv_split > kMaxKvSplit || (kv_split & (kv_split - 1)) != 0 ||
-      g % kv_split != 0 || kv_split > std::max(max_split, 1))
-    return -2;
-  return kv_split;
+  if (block_parts != -1 || kv_split < 1 || kv_split > kMaxKvSplit ||
+      (kv_split & (kv_split - 1)) != 0 || g % kv_split != 0 || kv_split > std::max(max_split, 1))
+    return invalid;
+  BwdSchedule s;
+  s.split = kv_split;
+  return s;
 }
 
 }  // namespace
@@ -1851,25 +1987,30 @@ const char* V3BackwardUnsupportedReason(const BackwardArgs& a) {
 }
 
 cudaError_t V3BackwardScheduled(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
-                                bool deterministic, int kv_split, cudaStream_t stream) {
+                                bool deterministic, int kv_split, cudaStream_t stream,
+                                int block_parts) {
   DeviceInfo info;
   if (unsupported_reason(args, current_device(&info)) != nullptr) return cudaErrorInvalidValue;
   if (workspace.dq_accum == nullptr || workspace.dsum == nullptr ||
       workspace.lse_log2 == nullptr || (deterministic && workspace.dq_semaphore == nullptr))
     return cudaErrorInvalidValue;
   if (args.fwd.shape.batch * args.fwd.shape.num_heads == 0) return cudaSuccess;
-  const int split = resolve_split(args, workspace, deterministic, kv_split, info.sm_count);
-  if (split == -2) return cudaErrorInvalidValue;
+  const BwdSchedule schedule =
+      resolve_schedule(args, workspace, deterministic, kv_split, block_parts, info.sm_count);
+  if (schedule.split == -2) return cudaErrorInvalidValue;
   const int sms = info.sm_count;
   const bool bf16 = args.fwd.dtype == DType::kBF16;
-  if (args.fwd.shape.head_dim == 64)
-    return bf16 ? launch_all<__nv_bfloat16, 64>(args, workspace, deterministic, split, sms, stream)
-                : launch_all<__half, 64>(args, workspace, deterministic, split, sms, stream);
-  if (args.fwd.shape.head_dim == 128)
-    return bf16 ? launch_all<__nv_bfloat16, 128>(args, workspace, deterministic, split, sms, stream)
-                : launch_all<__half, 128>(args, workspace, deterministic, split, sms, stream);
-  return bf16 ? launch_all<__nv_bfloat16, 256>(args, workspace, deterministic, split, sms, stream)
-              : launch_all<__half, 256>(args, workspace, deterministic, split, sms, stream);
+  const BackwardArgs& a = args;
+  const V3BackwardWorkspace& ws = workspace;
+  const bool det = deterministic;
+  if (a.fwd.shape.head_dim == 64)
+    return bf16 ? launch_all<__nv_bfloat16, 64>(a, ws, det, schedule, sms, stream)
+                : launch_all<__half, 64>(a, ws, det, schedule, sms, stream);
+  if (a.fwd.shape.head_dim == 128)
+    return bf16 ? launch_all<__nv_bfloat16, 128>(a, ws, det, schedule, sms, stream)
+                : launch_all<__half, 128>(a, ws, det, schedule, sms, stream);
+  return bf16 ? launch_all<__nv_bfloat16, 256>(a, ws, det, schedule, sms, stream)
+              : launch_all<__half, 256>(a, ws, det, schedule, sms, stream);
 }
 
 cudaError_t V3Backward(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
@@ -1877,16 +2018,35 @@ cudaError_t V3Backward(const BackwardArgs& args, const V3BackwardWorkspace& work
   return V3BackwardScheduled(args, workspace, deterministic, 0, stream);
 }
 
-int V3BackwardChosenSplit(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
-                          bool deterministic, int sm_count) {
-  if (args.fwd.shape.num_kv_heads <= 0 || args.fwd.shape.num_heads % args.fwd.shape.num_kv_heads)
-    return -1;
+namespace {
+
+// The schedule V3Backward would run on a device of sm_count SMs (0: the current device; split -2
+// when it cannot be known).
+BwdSchedule chosen_schedule(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
+                            bool deterministic, int sm_count) {
+  BwdSchedule unknown;
+  unknown.split = -2;
+  const AttentionShape& sh = args.fwd.shape;
+  if (sh.num_kv_heads <= 0 || sh.num_heads % sh.num_kv_heads || sh.kv_len < 1) return unknown;
   if (sm_count <= 0) {
     DeviceInfo info;
-    if (current_device_info(&info) != cudaSuccess) return -1;
+    if (current_device_info(&info) != cudaSuccess) return unknown;
     sm_count = info.sm_count;
   }
-  return resolve_split(args, workspace, deterministic, 0, sm_count);
+  return resolve_schedule(args, workspace, deterministic, 0, -1, sm_count);
+}
+
+}  // namespace
+
+int V3BackwardChosenSplit(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
+                          bool deterministic, int sm_count) {
+  return std::max(chosen_schedule(args, workspace, deterministic, sm_count).split, -1);
+}
+
+int V3BackwardChosenBlockParts(const BackwardArgs& args, const V3BackwardWorkspace& workspace,
+                               bool deterministic, int sm_count) {
+  const BwdSchedule s = chosen_schedule(args, workspace, deterministic, sm_count);
+  return s.split == -1 ? s.block_parts : 1;
 }
 
 }  // namespace jax_flash

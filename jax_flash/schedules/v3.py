@@ -29,6 +29,9 @@ _SEMAPHORE_ROWS = 64   # query rows per dQ semaphore (kDqTileRows)
 _MAX_KV_SPLIT = 4          # kMaxKvSplit (splits are powers of two)
 _SPLIT_SM_COUNT = 132      # kWorkspaceSmCount: the most SMs of an sm_90 part
 _SPLIT_CTAS_PER_SM = 4     # kGqaMaxCtasPerSm
+# The default grid's key blocks cut into CTAs (V3BackwardMaxBlockParts): below _SPLIT_SM_COUNT
+# CTAs, at most _MAX_BLOCK_PARTS each.
+_MAX_BLOCK_PARTS = 4       # kMaxBlockParts
 
 
 def _envelope(shape: AttentionShape, config: AttentionConfig) -> str | None:
@@ -41,14 +44,21 @@ def _envelope(shape: AttentionShape, config: AttentionConfig) -> str | None:
   return None
 
 
+def _key_block(shape: AttentionShape) -> int:
+  return 64 if shape.head_dim > 128 else 128
+
+
+def _default_grid_ctas(shape: AttentionShape) -> int:
+  """CTAs of the backward's default grid: key blocks x kv heads x batch."""
+  return -(-shape.kv_len // _key_block(shape)) * shape.num_kv_heads * shape.batch
+
+
 def max_kv_split(shape: AttentionShape) -> int:
   """V3BackwardMaxKvSplit (cuda/v3.h): the most CTAs the backward may split a kv head's query
   heads over (1: never). Key blocks are 128 keys (64 at head dim 256)."""
   if shape.num_kv_heads <= 0 or shape.num_heads <= shape.num_kv_heads:
     return 1
-  key_block = 64 if shape.head_dim > 128 else 128
-  blocks = -(-shape.kv_len // key_block)
-  if blocks * shape.num_kv_heads * shape.batch >= _SPLIT_CTAS_PER_SM * _SPLIT_SM_COUNT:
+  if _default_grid_ctas(shape) >= _SPLIT_CTAS_PER_SM * _SPLIT_SM_COUNT:
     return 1
   group = shape.num_heads // shape.num_kv_heads
   split = _MAX_KV_SPLIT
@@ -57,19 +67,25 @@ def max_kv_split(shape: AttentionShape) -> int:
   return split
 
 
+def max_block_parts(shape: AttentionShape) -> int:
+  """V3BackwardMaxBlockParts (cuda/v3.h): the most CTAs the backward may cut a key block of its
+  default grid into (1: never), when that grid has fewer CTAs than SMs."""
+  return _MAX_BLOCK_PARTS if _default_grid_ctas(shape) < _SPLIT_SM_COUNT else 1
+
+
 def backward_workspaces(shape: AttentionShape, dtype):
   """The outputs V3BackwardWorkspaceSizes(shape, deterministic=true) sizes (cuda/v3.h), with
   T_pad = T rounded up to 128: dq_accum f32 [B, N, T_pad, H], dsum and lse_log2 f32
   [B, N, T_pad], dq_semaphore s32 [B * N * T_pad / 64] (read only in deterministic mode; one
   size keeps the workspaces independent of the attribute), dkv_partial f32
-  [2 * s * B * S * K * H] with s = max_kv_split(shape) when s > 1, else f32 [1] (the fp32
-  dK / dV partials of the GQA split)."""
+  [2 * s * B * S * K * H] with s = max(max_kv_split(shape), max_block_parts(shape)) when s > 1,
+  else f32 [1] (the fp32 dK / dV partials of the GQA split or of key blocks cut into parts)."""
   del dtype
   b, n, h = shape.batch, shape.num_heads, shape.head_dim
   t_pad = -(-shape.q_len // _ROW_PAD) * _ROW_PAD
   rows = jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)
-  split = max_kv_split(shape)
-  partial = (2 * split * b * shape.kv_len * shape.num_kv_heads * h) if split > 1 else 1
+  slots = max(max_kv_split(shape), max_block_parts(shape))
+  partial = (2 * slots * b * shape.kv_len * shape.num_kv_heads * h) if slots > 1 else 1
   return (jax.ShapeDtypeStruct((b, n, t_pad, h), jnp.float32), rows, rows,
           jax.ShapeDtypeStruct((b * n * t_pad // _SEMAPHORE_ROWS,), jnp.int32),
           jax.ShapeDtypeStruct((partial,), jnp.float32))

@@ -24,6 +24,12 @@
 //          rounds; deterministic mode too. "default" is the code of the build before the GQA
 //          schedule (same SASS), so each row is its own A/B.
 //   --bench-gqa-one B T N K H causal  the same for one shape
+//   check also runs default grids of fewer CTAs than SMs with their key blocks whole and cut
+//          into 2, 3, 4 CTAs each (choose_block_parts in cuda/v3_bwd_sm90.cu), each against the
+//          float64 reference; small adds one of them for memcheck
+//   --bench-split B T N K H causal  one shape (bf16): the default grid with whole key blocks
+//          and cut as the rule says, checked against each other and timed interleaved (two
+//          rounds)
 //   --timeline H T causal [records.csv]  (builds of tests/gpu/build_v3_bwd_timeline.sh only)
 //          one grid row on the default grid: stamps of every CTA of the main kernel (cuda/v3.h,
 //          v3_bwd_timeline), summarized per phase (time since CTA entry), per CTA (duration, SM
@@ -175,6 +181,17 @@ struct Problem {
   // kv_split: 0 = the rule (as launch_v3), -1 = the default grid, S >= 1 = the GQA schedule.
   cudaError_t launch_v3_split(bool deterministic, int kv_split) {
     return jax_flash::V3BackwardScheduled(backward_args(), workspace(), deterministic, kv_split, 0);
+  }
+  // The default grid with its key blocks cut into `parts` CTAs each (-1 = the rule's, 1 =
+  // whole).
+  cudaError_t launch_v3_parts(int parts) {
+    return jax_flash::V3BackwardScheduled(backward_args(), workspace(), false, -1, 0, parts);
+  }
+  int chosen_block_parts() const {
+    return jax_flash::V3BackwardChosenBlockParts(backward_args(), workspace(), false);
+  }
+  int max_block_parts() const {
+    return jax_flash::V3BackwardMaxBlockParts({c.B, c.T, c.S, c.N, c.K, c.H});
   }
   int chosen_split(bool deterministic) const {
     return jax_flash::V3BackwardChosenSplit(backward_args(), workspace(), deterministic);
@@ -424,6 +441,76 @@ bool check_split_case(const Case& c, uint64_t seed) {
       ok &= check_v3_schedule(pb, ref, split, det, what, extra);
     }
   }
+  return ok;
+}
+
+// Default grids of fewer CTAs than SMs: key blocks whole and cut into every count of CTAs the
+// shape can take, against the float64 reference.
+std::vector<Case> block_parts_cases() {
+  const DType bf = DType::kBF16, hf = DType::kF16;
+  std::vector<Case> cs;
+  cs.push_back({bf, 2, 300, 300, 4, 4, 128, true});
+  cs.push_back({hf, 1, 1000, 1000, 2, 2, 128});
+  cs.push_back({bf, 3, 97, 130, 4, 2, 64});                // GQA on the default grid
+  cs.push_back({bf, 1, 50, 260, 2, 2, 128});               // fewer query blocks than parts
+  cs.push_back({hf, 2, 200, 200, 2, 1, 256, true});
+  cs.push_back(Case{bf, 1, 400, 400, 2, 2, 128}.window(64, 32));
+  cs.push_back(Case{bf, 2, 300, 300, 2, 2, 64, true}.ragged({300, 150}, {200, 300}));
+  cs.push_back(Case{bf, 1, 256, 256, 4, 2, 64, true}.capped(10.f));
+  return cs;
+}
+
+bool check_block_parts_case(const Case& c, uint64_t seed) {
+  Problem pb(c, seed);
+  const RefGrads ref = reference_of(pb);
+  bool ok = true;
+  for (int parts = 1; parts <= pb.max_block_parts(); ++parts) {
+    pb.poison();
+    const cudaError_t err = pb.launch_v3_parts(parts);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    if (err != cudaSuccess) {
+      std::printf("FAIL parts=%d launch error %s %s\n", parts, cudaGetErrorString(err),
+                  c.describe().c_str());
+      ok = false;
+      continue;
+    }
+    Errors e[3];
+    compare_grads(pb.fetch(), ref, c.dtype, e);
+    char what[48], extra[32];
+    std::snprintf(what, sizeof what, "v3 parts=%d", parts);
+    std::snprintf(extra, sizeof extra, " rule=%d", pb.chosen_block_parts());
+    ok &= report(what, c, e, true, extra);
+  }
+  return ok;
+}
+
+// One shape on the default grid, key blocks whole and cut as the rule says: gradients compared
+// (every element), then both timed, interleaved, two rounds.
+bool bench_block_parts(const Case& c, int reps) {
+  Problem pb(c, 4000);
+  const int parts = pb.chosen_block_parts();
+  pb.poison();
+  CUDA_CHECK(pb.launch_v3_parts(1));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const RefGrads base = as_reference(pb.fetch(), c.dtype);
+  pb.poison();
+  CUDA_CHECK(pb.launch_v3_parts(-1));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  Errors e[3];
+  compare_grads(pb.fetch(), base, c.dtype, e);
+  bool ok = report("v3 parts rule vs whole", c, e, true, "");
+  double ms[2][2];
+  for (int round = 0; round < 2; ++round)
+    for (int with_split = 0; with_split < 2; ++with_split)
+      ms[round][with_split] = median_event_ms(
+          [&] { CUDA_CHECK(pb.launch_v3_parts(with_split ? -1 : 1)); }, 3, reps);
+  const double f = 2.5 * c.forward_flops();
+  std::printf("parts B=%ld T=%ld N=%ld K=%ld H=%ld c=%d | rule %d | whole %.3f %.3f ms | "
+              "rule %.3f %.3f ms | %.1f -> %.1f TF | %+.1f%%\n",
+              long(c.B), long(c.T), long(c.N), long(c.K), long(c.H), int(c.causal), parts,
+              ms[0][0], ms[1][0], ms[0][1], ms[1][1],
+              f / (std::min(ms[0][0], ms[1][0]) * 1e9), f / (std::min(ms[0][1], ms[1][1]) * 1e9),
+              100.0 * (std::min(ms[0][1], ms[1][1]) / std::min(ms[0][0], ms[1][0]) - 1.0));
   return ok;
 }
 
@@ -823,6 +910,7 @@ bool timeline(const Case& c, const char* csv_path) {
 constexpr const char* kUsage =
     "usage: %s [--settled] [check] [small] [--bench] [--bench-v3] [--bench-one|profile H T causal]\n"
     "       [--bench-gqa] [--bench-gqa-one B T N K H causal]\n"
+    "       [--bench-split B T N K H causal]\n"
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
     "       [--timeline H T causal [records.csv]]\n"
 #endif
@@ -843,6 +931,7 @@ int main(int argc, char** argv) {
       uint64_t seed = 1;
       for (const Case& c : check_cases()) ok &= check_case(c, ++seed);
       for (const Case& c : split_cases()) ok &= check_split_case(c, ++seed);
+      for (const Case& c : block_parts_cases()) ok &= check_block_parts_case(c, ++seed);
     } else if (mode == "small") {  // for compute-sanitizer
       const DType bf = DType::kBF16;
       ok &= check_case(Case{bf, 2, 150, 200, 4, 2, 128, true}.ragged({150, 100}, {200, 120}), 7);
@@ -852,6 +941,8 @@ int main(int argc, char** argv) {
       const Case gqa{bf, 2, 150, 200, 8, 2, 128, true};
       ok &= check_split_case(gqa.ragged({150, 90}, {200, 70}), 10);
       ok &= check_split_case({DType::kF16, 1, 100, 130, 8, 1, 256}, 11);
+      ok &= check_block_parts_case(
+          Case{bf, 2, 150, 300, 2, 2, 128, true}.ragged({150, 90}, {300, 170}), 12);
     } else if (mode == "--bench" || mode == "bench") {
       ok &= bench(grid_cases(), 10, 0);
     } else if (mode == "--bench-gqa") {
@@ -871,6 +962,12 @@ int main(int argc, char** argv) {
       if (!harness::grid_case_from_args(argv, i, &c)) return 2;
       ok &= timeline(c, harness::csv_path_from_args(argc, argv, i));
 #endif
+    } else if (mode == "--bench-split" && i + 6 < argc) {
+      const Case c{DType::kBF16, std::atoll(argv[i + 1]), std::atoll(argv[i + 2]),
+                   std::atoll(argv[i + 2]), std::atoll(argv[i + 3]), std::atoll(argv[i + 4]),
+                   std::atoll(argv[i + 5]), std::atoi(argv[i + 6]) != 0};
+      i += 6;
+      ok &= bench_block_parts(c, 20);
     } else if ((mode == "--bench-one" || mode == "profile") && i + 3 < argc) {
       // One grid config: H T causal. profile: two plain v3 backward runs (for ncu).
       Case c{};
