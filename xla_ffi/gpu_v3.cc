@@ -6,9 +6,10 @@
 //     floats, and one size keeps the Python side free of the attribute):
 //       dq_accum f32 [B, N, T_pad, H], dsum f32 [B, N, T_pad], lse_log2 f32 [B, N, T_pad],
 //       dq_semaphore s32 [B * N * T_pad / 64]            (T_pad = T rounded up to 128),
-//       dkv_partial f32 [2 * s * B * S * K * H] with s = V3BackwardMaxKvSplit(shape) > 1, else
-//         f32 [1] (GQA / MQA with few key blocks x kv heads x batch: query heads split over s
-//         CTAs, their fp32 dK / dV partials summed by a reduce kernel)
+//       dkv_partial f32 [2 * s * B * S * K * H] with s = max(V3BackwardMaxKvSplit(shape),
+//         V3BackwardMaxBlockParts(shape)) > 1, else f32 [1] (few key blocks x kv heads x batch:
+//         a GQA group's query heads split over CTAs, or key blocks cut into CTAs; their fp32
+//         dK / dV partials summed by a reduce kernel)
 //     kernels cuda/v3_bwd_sm90.cu. Calls outside its envelope (bias, mask) never reach it: the
 //     dispatch sends them to v2 (jax_flash/schedules/v3.py); here they are refused.
 #include <cuda_runtime.h>
