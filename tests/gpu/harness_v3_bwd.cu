@@ -905,6 +905,16 @@ bool timeline(const Case& c, const char* csv_path) {
 }
 #endif
 
+// The bf16 case of the six arguments after argv[i] (B T N K H causal; S = T), i advanced past
+// them.
+Case shape_case_from_args(char** argv, int& i) {
+  const Case c{DType::kBF16, std::atoll(argv[i + 1]), std::atoll(argv[i + 2]),
+               std::atoll(argv[i + 2]), std::atoll(argv[i + 3]), std::atoll(argv[i + 4]),
+               std::atoll(argv[i + 5]), std::atoi(argv[i + 6]) != 0};
+  i += 6;
+  return c;
+}
+
 }  // namespace
 
 constexpr const char* kUsage =
@@ -948,11 +958,7 @@ int main(int argc, char** argv) {
     } else if (mode == "--bench-gqa") {
       ok &= bench_gqa(gqa_bench_cases(), 20);
     } else if (mode == "--bench-gqa-one" && i + 6 < argc) {
-      const Case c{DType::kBF16, std::atoll(argv[i + 1]), std::atoll(argv[i + 2]),
-                   std::atoll(argv[i + 2]), std::atoll(argv[i + 3]), std::atoll(argv[i + 4]),
-                   std::atoll(argv[i + 5]), std::atoi(argv[i + 6]) != 0};
-      i += 6;
-      ok &= bench_gqa({c}, 20);
+      ok &= bench_gqa({shape_case_from_args(argv, i)}, 20);
     } else if (mode == "--bench-v3") {  // v2 timed only where it is today's path (H = 256)
       ok &= bench(grid_cases(), 10, 256);
 #ifdef JAX_FLASH_V3_BWD_TIMELINE
@@ -963,11 +969,7 @@ int main(int argc, char** argv) {
       ok &= timeline(c, harness::csv_path_from_args(argc, argv, i));
 #endif
     } else if (mode == "--bench-split" && i + 6 < argc) {
-      const Case c{DType::kBF16, std::atoll(argv[i + 1]), std::atoll(argv[i + 2]),
-                   std::atoll(argv[i + 2]), std::atoll(argv[i + 3]), std::atoll(argv[i + 4]),
-                   std::atoll(argv[i + 5]), std::atoi(argv[i + 6]) != 0};
-      i += 6;
-      ok &= bench_block_parts(c, 20);
+      ok &= bench_block_parts(shape_case_from_args(argv, i), 20);
     } else if ((mode == "--bench-one" || mode == "profile") && i + 3 < argc) {
       // One grid config: H T causal. profile: two plain v3 backward runs (for ncu).
       Case c{};
