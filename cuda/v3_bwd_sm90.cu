@@ -1645,17 +1645,11 @@ double schedule_cost(const AttentionShape& sh, bool deterministic, int split, in
   const int s = gqa ? split : 1;
   const int64_t groups = sh.batch * sh.num_kv_heads * s;
   const int64_t heads = sh.num_heads / sh.num_kv_heads / s;
-  const double overhead = kCtaOverheadSteps + (s > 1 ? kPartialStoreSteps : 0.0);
+  const int parts = gqa ? 1 : block_parts;  // CTAs per key block
+  const double overhead = kCtaOverheadSteps + (s * parts > 1 ? kPartialStoreSteps : 0.0);
   std::priority_queue<double, std::vector<double>, std::greater<double>> free_at;
   for (int i = 0; i < sm_count; ++i) free_at.push(0.0);
   double end = 0.0;
-  const auto run = [&](double steps) {  // the next CTA, on the first free SM
-    const double t = free_at.top() + steps;
-    free_at.pop();
-    free_at.push(t);
-    end = std::max(end, t);
-  };
-  const int parts = gqa ? 1 : block_parts;  // CTAs per key block
   for (int64_t i = 0; i < blocks * groups * parts; ++i) {
     int64_t n;
     if (gqa) {  // key block slowest: ascending (longest first), deterministic descending
@@ -1665,8 +1659,11 @@ double schedule_cost(const AttentionShape& sh, bool deterministic, int split, in
       n = deterministic ? blocks - 1 - x : x;
     }
     const int64_t part = i % parts, m = per_head[n];  // key_block_of's share of a part
-    run(heads * double((part + 1) * m / parts - part * m / parts) + overhead +
-        (parts > 1 ? kPartialStoreSteps : 0.0));
+    const double t = free_at.top() + heads * double((part + 1) * m / parts - part * m / parts) +
+                     overhead;
+    free_at.pop();
+    free_at.push(t);
+    end = std::max(end, t);
   }
   if (s * parts > 1) {
     const double bytes = double(dkv_slot_elems(sh)) * (2.0 * s * parts * 4 + 2 * 2);
