@@ -46,6 +46,8 @@
 //                                      the whole step's dQ (H = 128: one m64n128 tile, the
 //                                      K operand read once; H = 64: two m64n64 row tiles)
 //            dK  += dS^T Q             wgmma SS, dS^T K-major (its own 64 rows), Q MN-major
+//                                      (deterministic mode: RS from the dS^T fragments, issued
+//                                      with dV, see run_consumer)
 //            wait for dV (and dQ) only; the owner stages dQ in shared memory (fragment order,
 //            the layout of dq_accum) and adds it into the fp32 dq_accum by one bulk (TMA)
 //            reduce-add, while dK and then the next step's S^T / dP^T run, so the
@@ -1062,6 +1064,12 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   // 340-432 bytes) nor in the GQA schedule's kernel (44 / 92 spilled bytes, not measured).
   constexpr bool kStagesLate = kRole == DqRole::kOwner && Cfg::kHeadDim == 128 && !kGqa &&
                                Cfg::kDqByBulkReduce && !kDqReducer;
+  // Deterministic mode at head dims 64 / 128: dK += dS^T Q as an RS GEMM from the dS^T
+  // fragments, issued with dV, instead of reading the warpgroup's dS^T rows back from shared
+  // memory after the dS barrier; each warpgroup then waits for all its GEMMs at the step's end.
+  // Session 28 (docs/perf-notes.md): deterministic backward -0.8..-3.6%; in the default mode
+  // the same change was 1.4-2.3% slower at head dim 128 (and +-0.5% at 64), so it keeps SS.
+  constexpr bool kDkFromRegisters = kDqReducer && !kSplit;
   const int thread = threadIdx.x % 128;
   const Lane lane = Lane::of(thread);
   // This warpgroup's part of the block: key rows [key_row0, key_row0 + 64), S^T / dP^T query
@@ -1161,7 +1169,7 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
     };
     issue_rs_gradient<Cfg, Cfg::kScoreCols / 16>(pa, query_rows(do_tile, query_col0), dv,
                                                  it == 0);
-    if constexpr (kSplit) {
+    if constexpr (kSplit || kDkFromRegisters) {
       issue_rs_gradient<Cfg, Cfg::kScoreCols / 16>(dsa, query_rows(q_tile, query_col0), dk,
                                                    it == 0);
     }
@@ -1204,14 +1212,19 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
       for (int r = 0; r < Cfg::kDqRowTilesPerWg; ++r) issue_dq<Cfg>(ds, k_dq, r, dq[r]);
       wgmma_commit();
     }
-    issue_ss_gradient<Cfg, kSharedSteps>(
-        GmmaDescriptor::kmajor(ds_tile + key_row0 * 128 + shared_col0 * 2),
-        query_rows(q_tile, shared_col0), dk, !kSplit && it == 0);
-    wgmma_commit();
-    wgmma_wait<1>();  // dV and dQ (head dim 256: and the RS part of dK)
+    if constexpr (kDkFromRegisters) {
+      wgmma_wait<0>();  // dV, dK and dQ: the fragments die here
+      fence_registers(dk);
+    } else {
+      issue_ss_gradient<Cfg, kSharedSteps>(
+          GmmaDescriptor::kmajor(ds_tile + key_row0 * 128 + shared_col0 * 2),
+          query_rows(q_tile, shared_col0), dk, !kSplit && it == 0);
+      wgmma_commit();
+      wgmma_wait<1>();  // dV and dQ (head dim 256: and the RS part of dK)
+    }
     fence_registers(dv);
     fence_registers(pa);
-    if constexpr (kSplit) fence_registers(dsa);
+    if constexpr (kSplit || kDkFromRegisters) fence_registers(dsa);
     if constexpr (kComputesDq) {
 #pragma unroll
       for (int r = 0; r < Cfg::kDqRowTilesPerWg; ++r) fence_registers(dq[r]);
