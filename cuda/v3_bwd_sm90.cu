@@ -46,8 +46,8 @@
 //                                      the whole step's dQ (H = 128: one m64n128 tile, the
 //                                      K operand read once; H = 64: two m64n64 row tiles)
 //            dK  += dS^T Q             wgmma SS, dS^T K-major (its own 64 rows), Q MN-major
-//                                      (deterministic mode: RS from the dS^T fragments, issued
-//                                      with dV, see run_consumer)
+//                                      (deterministic mode, default grid: RS from the dS^T
+//                                      fragments, issued with dV, see run_consumer)
 //            wait for dV (and dQ) only; the owner stages dQ in shared memory (fragment order,
 //            the layout of dq_accum) and adds it into the fp32 dq_accum by one bulk (TMA)
 //            reduce-add, while dK and then the next step's S^T / dP^T run, so the
@@ -1064,12 +1064,13 @@ __device__ void run_consumer(const BwdParams& p, const KeyBlock& kb, uint32_t sm
   // 340-432 bytes) nor in the GQA schedule's kernel (44 / 92 spilled bytes, not measured).
   constexpr bool kStagesLate = kRole == DqRole::kOwner && Cfg::kHeadDim == 128 && !kGqa &&
                                Cfg::kDqByBulkReduce && !kDqReducer;
-  // Deterministic mode at head dims 64 / 128: dK += dS^T Q as an RS GEMM from the dS^T
-  // fragments, issued with dV, instead of reading the warpgroup's dS^T rows back from shared
-  // memory after the dS barrier; each warpgroup then waits for all its GEMMs at the step's end.
-  // Session 28 (docs/perf-notes.md): deterministic backward -0.8..-3.6%; in the default mode
-  // the same change was 1.4-2.3% slower at head dim 128 (and +-0.5% at 64), so it keeps SS.
-  constexpr bool kDkFromRegisters = kDqReducer && !kSplit;
+  // Deterministic mode on the default grid at head dims 64 / 128: dK += dS^T Q as an RS GEMM
+  // from the dS^T fragments, issued with dV, instead of reading the warpgroup's dS^T rows back
+  // from shared memory after the dS barrier; each warpgroup then waits for all its GEMMs at the
+  // step's end. Session 28 (docs/perf-notes.md): that deterministic backward -0.8..-3.6%; the
+  // same change was 1.4-2.3% slower in the default mode at head dim 128 (+-0.5% at 64) and
+  // 2-4% slower in the GQA schedule's split deterministic kernels, which keep SS.
+  constexpr bool kDkFromRegisters = kDqReducer && !kGqa && !kSplit;
   const int thread = threadIdx.x % 128;
   const Lane lane = Lane::of(thread);
   // This warpgroup's part of the block: key rows [key_row0, key_row0 + 64), S^T / dP^T query
