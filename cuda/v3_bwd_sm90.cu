@@ -47,7 +47,8 @@
 //                                      K operand read once; H = 64: two m64n64 row tiles)
 //            dK  += dS^T Q             wgmma SS, dS^T K-major (its own 64 rows), Q MN-major
 //                                      (deterministic mode, default grid: RS from the dS^T
-//                                      fragments, issued with dV, see run_consumer)
+//                                      fragments, issued with dV and waited for with it at the
+//                                      step's end, see run_consumer)
 //            wait for dV (and dQ) only; the owner stages dQ in shared memory (fragment order,
 //            the layout of dq_accum) and adds it into the fp32 dq_accum by one bulk (TMA)
 //            reduce-add, while dK and then the next step's S^T / dP^T run, so the
