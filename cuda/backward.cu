@@ -53,11 +53,13 @@ struct DqLayout {
 
 // Tile shape of a dK / dV CTA: query rows per iteration, keys per CTA, query-side buffers (two
 // overlap the next query block's loads with this one's products), column chunks of the dQ
-// product (see dkdv_kernel).
-template <int kBlockM_, int kBlockN_, int kStages_, int kDqChunks_ = 1>
+// product (see dkdv_kernel), and how many of the four warps of the dV (and of the dK) product
+// split its keys (the others split its columns).
+template <int kBlockM_, int kBlockN_, int kStages_, int kDqChunks_ = 1,
+          int kKvKeyWarps_ = kBlockN_ / 32>
 struct BwdShape {
   static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
-  static constexpr int kDqChunks = kDqChunks_;
+  static constexpr int kDqChunks = kDqChunks_, kKvKeyWarps = kKvKeyWarps_;
 };
 
 // Head dim 64 takes 128 query rows per iteration, as FlashAttention-2 does: +4.6..+8.0% over
@@ -67,9 +69,11 @@ struct BwdShape {
 // and sm_80 (163 KB) does not: there it keeps one (launch_backward). On the H200 two are 4-14%
 // faster (harness --tune, session 13), and the plain kernel's dQ in two column chunks
 // +1.4..+3.8% more (two interleaved rounds, session 14; at 128 and 64 chunks lose 0.4-1.9%).
+// The dV / dK warps split a 128-key block 4 x 1 (keys x columns) at head dim 64 and 2 x 2 at 128
+// (BwdLayout), a 64-key block 2 x 2.
 template <int kHeadDim, bool kGeneral>
 using BwdDefaultShape = BwdShape<kHeadDim <= 64 && !kGeneral ? 128 : 64, kHeadDim <= 128 ? 128 : 64,
-                                 2, (kHeadDim > 128 && !kGeneral) ? 2 : 1>;
+                                 2, (kHeadDim > 128 && !kGeneral) ? 2 : 1, kHeadDim <= 64 ? 4 : 2>;
 using BwdOneStageShape256 = BwdShape<64, 64, 1>;
 
 template <int kHeadDim, typename Shape>
@@ -82,15 +86,18 @@ struct BwdLayout {
   static constexpr int kSKeyWarps = Dq::kColumnWarps;
   static constexpr int MT_S = 2, NT_S = kBlockN / 8 / kSKeyWarps;
   static_assert(2 * kBlockM <= kThreads, "one thread per lse / D element of a query block");
-  // dV on warps 0-3, dK on warps 4-7, each 32 keys x kHeadDim / kKvColumnWarps columns, so
-  // every fragment of dO / Q read from shared memory feeds two MMAs and every fragment of P /
-  // dS NT_KV (a 4 x 2 split of both dV and dK over all 8 warps reads 6 fragments per 16 MMAs
-  // where this reads 10 per 32 at head dim 128). A 64-key block (head dim 256) splits the four
-  // warps of a product 2 x 2 (keys x columns) rather than 16 keys x the whole head dim, which
-  // reads 17 fragments per 32 MMAs.
-  static constexpr int kKvKeyWarps = kBlockN / 32, kKvColumnWarps = 4 / kKvKeyWarps;
+  // dV on warps 0-3, dK on warps 4-7, each kBlockN / kKvKeyWarps keys x kHeadDim /
+  // kKvColumnWarps columns, so every fragment of dO / Q read from shared memory feeds MT_KV MMAs
+  // and every fragment of P / dS NT_KV (a 4 x 2 split of both dV and dK over all 8 warps reads
+  // 6 fragments per 16 MMAs). Per k-step at head dim 128, 2 x 2 (64 keys x 64 columns) reads 8
+  // fragments per 32 MMAs where 4 x 1 (32 keys x 128) reads 10, and ptxas spills none of the
+  // 40 bytes 4 x 1 does: 0.0-0.7% faster (harness --tune, session 31); at head dim 64 both read
+  // 6 per 16. A 64-key block (head dim 256) splits 2 x 2 rather than 16 keys x the whole head
+  // dim, which reads 17 fragments per 32 MMAs.
+  static constexpr int kKvKeyWarps = Shape::kKvKeyWarps, kKvColumnWarps = 4 / kKvKeyWarps;
   static_assert(kKvKeyWarps * kKvColumnWarps == 4, "four warps per product");
-  static constexpr int MT_KV = 2, NT_KV = kHeadDim / 8 / kKvColumnWarps;
+  static constexpr int kKvWarpKeys = kBlockN / kKvKeyWarps;
+  static constexpr int MT_KV = kKvWarpKeys / 16, NT_KV = kHeadDim / 8 / kKvColumnWarps;
   using KVTile = Tile<kBlockN, kHeadDim>;
   using QTile = Tile<kBlockM, kHeadDim>;
   using PTile = Tile<kBlockM, kBlockN>;
@@ -194,7 +201,7 @@ __global__ void __launch_bounds__(256, 1)
   // Warp tiles of the three products.
   const int s_r0 = (warp / L::kSKeyWarps) * 32;
   const int s_c0 = (warp % L::kSKeyWarps) * (L::kBlockN / L::kSKeyWarps);
-  const int kv_r0 = (warp % L::kKvKeyWarps) * 32;
+  const int kv_r0 = (warp % L::kKvKeyWarps) * L::kKvWarpKeys;
   const int kv_c0 = (warp % 4 / L::kKvKeyWarps) * (kHeadDim / L::kKvColumnWarps);
   const bool dk_warp = warp >= 4;  // this warp accumulates dK, else dV
   const int q_r0 = L::Dq::row0(warp), q_c0 = L::Dq::col0(warp);
@@ -226,7 +233,7 @@ __global__ void __launch_bounds__(256, 1)
     };
 
     if (jj > 0) __syncthreads();  // the previous key block's tiles are consumed
-    float kv_acc[MT_KV][NT_KV][4];  // dK or dV (dk_warp) of keys kv_r0 + [0, 32), from kv_c0
+    float kv_acc[MT_KV][NT_KV][4];  // dK or dV (dk_warp) of this warp's keys from kv_r0
     zero(kv_acc);
     if (total > 0) {
       sK.template load_async<L::kThreads>(k.row(c0), k.stride, band.kv_len - c0, chunks, tid);

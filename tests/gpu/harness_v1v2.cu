@@ -718,7 +718,8 @@ std::string forward_shape_name() {
 template <typename Shape>
 std::string backward_shape_name() {
   return "M" + std::to_string(Shape::kBlockM) + " N" + std::to_string(Shape::kBlockN) + " stages" +
-         std::to_string(Shape::kStages) + " dq-chunks" + std::to_string(Shape::kDqChunks);
+         std::to_string(Shape::kStages) + " dq-chunks" + std::to_string(Shape::kDqChunks) +
+         " kv-key-warps" + std::to_string(Shape::kKvKeyWarps);
 }
 
 // The library's shape for head dim H first, then the alternatives (bf16).
@@ -755,7 +756,7 @@ void tune_row(const Problem& p, Device& d, const ForwardArgs& fa, const Backward
       break;
     case 128:
       forwards = forward_variants<128, V2Shape<64, 64, 4>>();
-      backwards = backward_variants<128, BwdShape<64, 128, 1>, BwdShape<64, 64, 2>>();
+      backwards = backward_variants<128, BwdShape<64, 128, 2, 1, 4>, BwdShape<64, 128, 1, 1, 2>>();
       break;
     default:  // stages1: what sm_80's shared memory allows (launch_backward)
       forwards = forward_variants<256, V2Shape<128, 64, 8>>();
