@@ -88,12 +88,12 @@ struct BwdLayout {
   static_assert(2 * kBlockM <= kThreads, "one thread per lse / D element of a query block");
   // dV on warps 0-3, dK on warps 4-7, each kBlockN / kKvKeyWarps keys x kHeadDim /
   // kKvColumnWarps columns, so every fragment of dO / Q read from shared memory feeds MT_KV MMAs
-  // and every fragment of P / dS NT_KV (a 4 x 2 split of both dV and dK over all 8 warps reads
-  // 6 fragments per 16 MMAs). Per k-step at head dim 128, 2 x 2 (64 keys x 64 columns) reads 8
-  // fragments per 32 MMAs where 4 x 1 (32 keys x 128) reads 10, and ptxas spills none of the
-  // 40 bytes 4 x 1 does: 0.0-0.7% faster (harness --tune, session 31); at head dim 64 both read
-  // 6 per 16. A 64-key block (head dim 256) splits 2 x 2 rather than 16 keys x the whole head
-  // dim, which reads 17 fragments per 32 MMAs.
+  // and every fragment of P / dS NT_KV (spreading both products over all 8 warps, 4 x 2, would
+  // read 6 fragments per 16 MMAs). Per k-step at head dim 128, 2 x 2 (64 keys x 64 columns)
+  // reads 8 fragments per 32 MMAs where 4 x 1 (32 keys x 128) reads 10, and ptxas spills none
+  // of the 40 bytes 4 x 1 does: 0.0-0.7% faster (harness --tune, session 31); at head dim 64
+  // both read 6 per 16. A 64-key block (head dim 256) splits 2 x 2 rather than 16 keys x the
+  // whole head dim, which reads 17 fragments per 32 MMAs.
   static constexpr int kKvKeyWarps = Shape::kKvKeyWarps, kKvColumnWarps = 4 / kKvKeyWarps;
   static_assert(kKvKeyWarps * kKvColumnWarps == 4, "four warps per product");
   static constexpr int kKvWarpKeys = kBlockN / kKvKeyWarps;

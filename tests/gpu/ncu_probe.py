@@ -7,8 +7,8 @@ Arguments: an implementation the bench knows (v2, v3, cudnn, torch_flash, ...: p
 jax_flash.bench --help), mode (fwd | bwd: the bench's fwdbwd), then B T N K H causal. The call,
 its inputs (bf16 standard normal) and its jit are the bench's own (jax_flash.bench: peers,
 inputs, steps), so ncu profiles what the bench times. Two calls, so that ncu's --launch-count 1
-after a --launch-skip can take the warm one. Session 8's launch facts of cuDNN's kernels (docs/perf-notes-v3.md) came
-from this script's first version.
+after a --launch-skip can take the warm one. Session 8's launch facts of cuDNN's kernels
+(docs/perf-notes-v3.md) came from this script's first version.
 """
 import sys
 
