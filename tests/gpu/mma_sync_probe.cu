@@ -201,6 +201,8 @@ Result time_kernel(Kernel kernel, int ctas, int threads, int smem, int iteration
       cycles = *std::max_element(clk.begin(), clk.end());
     }
   }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
     std::printf("CUDA error: %s\n", cudaGetErrorString(err));
