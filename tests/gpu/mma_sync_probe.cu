@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 #include "cuda/tile.cuh"
@@ -177,7 +178,7 @@ struct Result {
 };
 
 template <typename Kernel>
-Result time_kernel(Kernel kernel, int ctas, int threads, int smem, int iterations,
+Result time_kernel(Kernel kernel, int sms, int ctas, int threads, int smem, int iterations,
                    double flops_per_cta, float* sink, long long* d_clocks) {
   if (smem > 48 * 1024)
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -208,8 +209,6 @@ Result time_kernel(Kernel kernel, int ctas, int threads, int smem, int iteration
     std::printf("CUDA error: %s\n", cudaGetErrorString(err));
     std::exit(1);
   }
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   const double flops = flops_per_cta * iterations * ctas;
   return {flops / best_ms / 1e9, flops / sms / double(cycles), double(cycles) / best_ms / 1e3};
 }
@@ -231,23 +230,26 @@ int main() {
   for (int round = 0; round < 2; ++round) {
     std::printf("-- round %d\n", round + 1);
     const double per_warp = 16 * kMmaFlops;
-    const Result p1 = time_kernel(peak_kernel<1>, sms, 128, 0, 200000, 4 * per_warp, sink, d_clocks);
-    const Result p2 = time_kernel(peak_kernel<2>, sms, 256, 0, 100000, 8 * per_warp, sink, d_clocks);
-    const Result p4 = time_kernel(peak_kernel<4>, sms, 512, 0, 50000, 16 * per_warp, sink, d_clocks);
+    const Result p1 =
+        time_kernel(peak_kernel<1>, sms, sms, 128, 0, 200000, 4 * per_warp, sink, d_clocks);
+    const Result p2 =
+        time_kernel(peak_kernel<2>, sms, sms, 256, 0, 100000, 8 * per_warp, sink, d_clocks);
+    const Result p4 =
+        time_kernel(peak_kernel<4>, sms, sms, 512, 0, 50000, 16 * per_warp, sink, d_clocks);
     const double peak = std::max({p1.flops_per_clock, p2.flops_per_clock, p4.flops_per_clock});
     print("peak, 1 warp per sub-core (16 independent accumulators)", p1, peak);
     print("peak, 2 warps per sub-core", p2, peak);
     print("peak, 4 warps per sub-core", p4, peak);
     using F = ForwardGemms;
     print("v2 forward GEMMs, H 128, 2 CTAs x 4 warps per SM",
-          time_kernel(forward_gemms_kernel, F::kCtasPerSm * sms, F::kThreads, F::kSmemBytes, 4000,
-                      F::kFlopsPerCta, sink, d_clocks), peak);
+          time_kernel(forward_gemms_kernel, sms, F::kCtasPerSm * sms, F::kThreads, F::kSmemBytes,
+                      4000, F::kFlopsPerCta, sink, d_clocks), peak);
     print("v2 forward GEMMs, H 128, 1 CTA x 4 warps per SM",
-          time_kernel(forward_gemms_kernel, sms, F::kThreads, F::kSmemBytes, 4000,
+          time_kernel(forward_gemms_kernel, sms, sms, F::kThreads, F::kSmemBytes, 4000,
                       F::kFlopsPerCta, sink, d_clocks), peak);
     using B = BackwardGemms;
     print("v2 backward GEMMs, H 128, 1 CTA x 8 warps per SM",
-          time_kernel(backward_gemms_kernel, sms, B::kThreads, B::kSmemBytes, 3000,
+          time_kernel(backward_gemms_kernel, sms, sms, B::kThreads, B::kSmemBytes, 3000,
                       B::kFlopsPerCta, sink, d_clocks), peak);
   }
   return 0;
