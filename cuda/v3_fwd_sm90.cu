@@ -22,8 +22,9 @@
 //     together with the next tile's first S GEMM, like S_j with PV_{j+1} inside a tile
 //     (consume_tile), and each consumer warpgroup then writes the finished output into its own
 //     rows of that tile's Q buffer and stores it with TMA (stage_output). Head dim 256 and the
-//     wide head dim 128 tile (one Q buffer) run the last PV alone and store from registers
-//     (16-byte stores after a quad transpose) before the next tile.
+//     wide head dim 128 tile (one Q buffer) run the last PV alone, then stage the output in the
+//     last key block's K / V stage (warpgroup 0 in its K tile, 1 in its V tile) and store it with
+//     TMA (write_output), and the stage goes back to the producer once the store has read it.
 //   * setmaxnreg moves registers from the producer (which needs few) to the consumers.
 //   * persistent grid, static schedule: CTA i takes work units i, i + grid, ... A unit is one
 //     tile, or under causal masking the pair of m-blocks {last - k, k}, whose costs add up to
@@ -129,15 +130,16 @@ struct Config {
   // wide 192-key tile): the next tile's Q loads while this tile runs, and each tile's output is
   // staged in its own Q buffer and stored by TMA (see stage_output); the third lets every tile,
   // one key block long or not, take the previous tile's last PV (release_staged_output). With one
-  // buffer, Q waits for the previous tile's last S GEMM and the output goes from registers to
-  // global memory.
+  // buffer, Q waits for the previous tile's last S GEMM and the output is staged in the last
+  // K / V stage (kStageOutputInKV).
   static constexpr int kQBuffers = smem_bytes(3) <= kSmemLimit ? 3 : 1;
   static constexpr bool kStageOutput = kQBuffers > 1;
   // One Q buffer: each consumer warpgroup stages its output in the tile's last K / V stage
   // instead (warpgroup 0 in the K tile, 1 in the V tile; write_output), stores it with TMA
   // and starts its next tile; the stage goes back to the producer once the store has read it.
-  // From registers, the output stores held the warpgroup 2.2-2.6 us at every tile's end, all
-  // CTAs storing at once (docs/perf-notes.md, session 29's timeline; session 35).
+  // From registers, the output stores held the warpgroup 2.2-2.6 us at every tile's end (all
+  // CTAs store at once); staged, a tile's fixed cost fell from ~3.9 to ~2.5 us: head dim 256
+  // -3.0..-3.6% at T = 1024, -1.6..-2.9% at 4096, -0.3% at 16384 (docs/perf-notes.md, session 35).
   static constexpr bool kStageOutputInKV = kQBuffers == 1;
   static constexpr bool kStagesOutput = kStageOutput || kStageOutputInKV;  // TMA output stores
   static constexpr int kKOffset = kv_offset(kQBuffers);
@@ -779,11 +781,10 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int quad_lane) 
 }
 
 // out = o / sum for this thread's two rows, from registers; rows past q_len are not stored.
-// Used when there is no second Q buffer to stage the output in (head dim 256), and for empty
-// tiles. The quad transposes each 32-column group first, so that every lane stores 16 bytes
-// (one st.global.v4) instead of four 4-byte stores: a warp store then covers 8 rows x 64
-// contiguous bytes, and the LSU passes per output tile drop 4x (the head dim 256 epilogue was
-// 64 half-sector stores per thread, on the tile's critical path with one Q buffer).
+// Used for empty tiles (no Q loaded, nothing staged; every other tile's output is staged and
+// stored by TMA, write_output). The quad transposes each 32-column group first, so that every
+// lane stores 16 bytes (one st.global.v4) instead of four 4-byte stores: a warp store then
+// covers 8 rows x 64 contiguous bytes.
 template <class Cfg>
 __device__ __forceinline__ void store_output(const Params& p, const FinishedTile& f,
                                              const Lane& lane,
