@@ -140,8 +140,7 @@ struct Config {
   // From registers, the output stores held the warpgroup 2.2-2.6 us at every tile's end (all
   // CTAs store at once); staged, a tile's fixed cost fell from ~3.9 to ~2.5 us: head dim 256
   // -3.0..-3.6% at T = 1024, -1.6..-2.9% at 4096, -0.3% at 16384 (docs/perf-notes.md, session 35).
-  static constexpr bool kStageOutputInKV = kQBuffers == 1;
-  static constexpr bool kStagesOutput = kStageOutput || kStageOutputInKV;  // TMA output stores
+  static constexpr bool kStageOutputInKV = !kStageOutput;
   static constexpr int kKOffset = kv_offset(kQBuffers);
   static constexpr int kVOffset = kKOffset + kStages * kKVBytes;
   static constexpr int kBarrierOffset = barrier_offset(kQBuffers);
@@ -171,7 +170,7 @@ struct BarrierAddresses {
 // so the tensor maps stay in parameter space where TMA can read them.
 struct Params {
   CUtensorMap tma_q, tma_k, tma_v;
-  CUtensorMap tma_o;  // boxes of 64 rows (one consumer warpgroup); encoded when kStagesOutput
+  CUtensorMap tma_o;  // boxes of 64 rows (one consumer warpgroup)
   void* out;
   float* lse;
   const int32_t* q_seqlens;   // may be null: all T rows valid
@@ -521,9 +520,8 @@ __device__ void run_producer(const Params& p, uint32_t smem, BarrierAddresses ba
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_q)));
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_k)));
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_v)));
-  if constexpr (Cfg::kStagesOutput) {  // for the consumers' output stores
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_o)));
-  }
+  // for the consumers' output stores
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_o)));
   int block_count = 0;  // stage uses so far, over all tiles: selects stage and phase
   StagePhases<Cfg> phases;
   int q_count = 0;
@@ -1193,12 +1191,10 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
   if (pending.valid) {
     last_pv_alone<Cfg>(p, smem, bars, c, phases, o, pa, [&] { return pending.f; });
   }
-  if constexpr (Cfg::kStagesOutput) {
-    // In a cluster the producer's last exchange waits for the stage of the last staged output.
-    if constexpr (Cfg::kStageOutputInKV) release_staged_output<Cfg>(bars, c);
-    // The shared memory the output stores read must outlive them; wait for them to finish.
-    if (c.leader) bulk_wait_all();
-  }
+  // In a cluster the producer's last exchange waits for the stage of the last staged output.
+  if constexpr (Cfg::kStageOutputInKV) release_staged_output<Cfg>(bars, c);
+  // The shared memory the output stores read must outlive them; wait for them to finish.
+  if (c.leader) bulk_wait_all();
   TIMELINE_EVENT(tl::kConsumerExit + warpgroup, c.leader);
   TIMELINE_CTA_INFO(c.q_count, c.leader && warpgroup == 0);
 }
@@ -1444,8 +1440,8 @@ cudaError_t launch(const ForwardArgs& a, QueryRows rows, int sm_count, cudaStrea
                          sh.head_dim, Cfg::kKVBoxRows) ||
       !encode_tensor_map(&p.tma_v, a.v, a.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
                          sh.head_dim, Cfg::kKVBoxRows) ||
-      (Cfg::kStagesOutput && !encode_tensor_map(&p.tma_o, out, a.dtype, sh.batch, rows.count,
-                                               sh.q_len, sh.num_heads, sh.head_dim, 64))) {
+      !encode_tensor_map(&p.tma_o, out, a.dtype, sh.batch, rows.count, sh.q_len, sh.num_heads,
+                         sh.head_dim, 64)) {
     return cudaErrorInvalidValue;
   }
   p.out = out;

@@ -1,55 +1,55 @@
 # A CPU model of the synchronisation in cuda/v3_fwd_sm90.cu (run_producer / run_consumer): the
 # mbarrier phases of the Q buffers and K / V stages, the pingpong ring of named barriers, the
 # fusion of a tile's last PV with the next tile's first S (into every tile, one-block ones too,
-# with three Q buffers), the release of a Q buffer after the output store staged in it, with one
-# Q buffer (two warpgroups) the output staged in the tile's last K / V stage (warpgroup 0 in its K
+# with three Q buffers), the release of a Q buffer after the output store staged in it, with one Q
+# buffer (two warpgroups) the output staged in the tile's last K / V stage (warpgroup 0 in its K
 # tile, 1 in its V tile, each once the other is done reading it; the stage's release waits for the
-# store, and comes before the next tile's Q wait where that tile's first block takes the stage), and
-# clusters of two CTAs (load_kv, exchange_release, StagePhases). In a cluster both CTAs run tiles of
-# the same bands, each with its own Q buffers, stages and barriers; each producer loads half of
-# every K / V block both tiles visit into the stage of both CTAs (TMA multicast: the half completes
-# transaction bytes on the "full" barrier of both, which expect the whole block), once its own
-# consumers released the stage and it has told the other CTA's producer so (a remote arrival on its
-# "peer" barrier) and heard the same from it. Under causal masking the two tiles of a band end at
-# different key blocks: the CTA of the longer one loads the blocks only it visits whole into its own
-# stage, and the other CTA passes those stage uses: its producer makes the exchange alone, its
-# consumers skip them, and neither touches the stage's "full" or "empty" barriers, whose phases
-# count blocks, not uses (StagePhases). One agent per role (a producer and W consumer warpgroups per
-# CTA); per-warp arrivals are folded into one per warpgroup; a K / V load lands as an event of its
-# own (one per half and CTA in a cluster, before or after the arrival that expects it), and so does
-# a remote arrival; a Q load lands at once; a turn's GEMMs finish at a later step; stores finish
-# reading when released. Random tile
-# sequences (0 = empty tile: no Q, no turns) under random interleavings, alone and in clusters;
-# reports deadlocks, a pingpong barrier given two arrivals before its sync, a stage / buffer read
-# while it holds another block or tile (or half a block), a K / V part landing in a stage that its
-# CTA's consumers have not all released, a remote arrival or a landing in a CTA that has exited, and
-# a landing of a part whose issuing CTA has exited (the kernel has no cluster barrier before exit:
-# each producer ends with one more exchange per stage, run_producer).
+# store, and comes before the next tile's Q wait where that tile's first block takes the stage),
+# and clusters of two CTAs (load_kv, exchange_release, StagePhases). In a cluster both CTAs run
+# tiles of the same bands, each with its own Q buffers, stages and barriers; each producer loads
+# half of every K / V block both tiles visit into the stage of both CTAs (TMA multicast: the half
+# completes transaction bytes on the "full" barrier of both, which expect the whole block), once
+# its own consumers released the stage and it has told the other CTA's producer so (a remote
+# arrival on its "peer" barrier) and heard the same from it. Under causal masking the two tiles of
+# a band end at different key blocks: the CTA of the longer one loads the blocks only it visits
+# whole into its own stage, and the other CTA passes those stage uses: its producer makes the
+# exchange alone, its consumers skip them, and neither touches the stage's "full" or "empty"
+# barriers, whose phases count blocks, not uses (StagePhases). One agent per role (a producer and W
+# consumer warpgroups per CTA); per-warp arrivals are folded into one per warpgroup; a K / V load
+# lands as an event of its own (one per half and CTA in a cluster, before or after the arrival that
+# expects it), and so does a remote arrival; a Q load lands at once; a turn's GEMMs finish at a
+# later step; stores finish reading when released. Random tile sequences (0 = empty tile: no Q, no
+# turns) under random interleavings, alone and in clusters; reports deadlocks, a pingpong barrier
+# given two arrivals before its sync, a stage / buffer read while it holds another block or tile
+# (or half a block), a K / V part landing in a stage that its CTA's consumers have not all
+# released or that an output store still reads, a warpgroup staging its output in a tile the other
+# still reads, a remote arrival or a landing in a CTA that has exited, and a landing of a part whose
+# issuing CTA has exited (the kernel has no cluster barrier before exit: each producer ends with
+# one more exchange per stage, run_producer).
 #
 # Two or three K / V stages (Config::kStages: three at head dim 64).
 #
 #   python3 tests/gpu/v3_fwd_protocol_model.py [trials]     (prints "trials with errors: 0")
 #
 # Keep it in step with the kernel when the protocol changes. Mutations it catches: two staged Q
-# buffers with fusion into one-block tiles (deadlock; checked at the end of every run) or
-# dropping release_staged_output (deadlock), a wrong arrival count; in a cluster (checked at the end of
+# buffers with fusion into one-block tiles (deadlock; checked at the end of every run) or dropping
+# release_staged_output (deadlock), a wrong arrival count; in a cluster (checked at the end of
 # every run, each by the error it must cause): no exchange, the peer arrival made in the own CTA,
 # or waiting the peer barrier with parity phase ^ 1 (a half lands in the other CTA's stage while
 # its consumers still read it: the wait passes on the word of the stage's previous use; mostly,
 # though, that mutation deadlocks at the first K, where the later producer to wait sees phase 0
-# complete already and waits for the other's next arrival, which needs its own missing half);
-# a "full" barrier that expects only the own half (a consumer reads a stage with one half landed);
-# no final exchange in the producer (a CTA exits with its half still on the way to the other); a
-# passed use that completes the stage's "full" and "empty" phases (the first version of passing:
-# a consumer that skipped it can find its wait for the stage's next block "done" before the
-# producer passed the use, and reads the stage before that block lands); a passed use that
-# waits for the own stage's last block to be released (deadlock: that block can be the pending
-# tile's last V, released only once the next tile's first block, behind the passed use, is in);
-# a block only one tile visits loaded as a shared half (a consumer reads a stage with one of two
-# parts); with the output staged in K / V: no staging tile barrier (a warpgroup stages into a tile
-# the other still reads), the stage released before the store read it (a block lands under the
-# store), no release before the Q wait (deadlock: the producer loads the Q behind that stage's
-# block).
+# complete already and waits for the other's next arrival, which needs its own missing half); a
+# "full" barrier that expects only the own half (a consumer reads a stage with one half landed); no
+# final exchange in the producer (a CTA exits with its half still on the way to the other); a
+# passed use that completes the stage's "full" and "empty" phases (the first version of passing: a
+# consumer that skipped it can find its wait for the stage's next block "done" before the producer
+# passed the use, and reads the stage before that block lands); a passed use that waits for the own
+# stage's last block to be released (deadlock: that block can be the pending tile's last V,
+# released only once the next tile's first block, behind the passed use, is in); a block only one
+# tile visits loaded as a shared half (a consumer reads a stage with one of two parts); with the
+# output staged in K / V: no staging tile barrier (a warpgroup stages into a tile the other still
+# reads), the stage released before the store read it (a block lands under the store), no release
+# before the Q wait (deadlock: the producer loads the Q behind that stage's block).
 import random
 import sys
 
