@@ -22,8 +22,9 @@
 //     together with the next tile's first S GEMM, like S_j with PV_{j+1} inside a tile
 //     (consume_tile), and each consumer warpgroup then writes the finished output into its own
 //     rows of that tile's Q buffer and stores it with TMA (stage_output). Head dim 256 and the
-//     wide head dim 128 tile (one Q buffer) run the last PV alone and store from registers
-//     (16-byte stores after a quad transpose) before the next tile.
+//     wide head dim 128 tile (one Q buffer) run the last PV alone, then stage the output in the
+//     last key block's K / V stage (warpgroup 0 in its K tile, 1 in its V tile) and store it with
+//     TMA (write_output), and the stage goes back to the producer once the store has read it.
 //   * setmaxnreg moves registers from the producer (which needs few) to the consumers.
 //   * persistent grid, static schedule: CTA i takes work units i, i + grid, ... A unit is one
 //     tile, or under causal masking the pair of m-blocks {last - k, k}, whose costs add up to
@@ -128,11 +129,18 @@ struct Config {
   // Three Q buffers where they fit (head dims 64 and 128 with 128-key blocks; not 256, not the
   // wide 192-key tile): the next tile's Q loads while this tile runs, and each tile's output is
   // staged in its own Q buffer and stored by TMA (see stage_output); the third lets every tile,
-  // one key block long or not, take the previous tile's last PV (release_staged_q). With one
-  // buffer, Q waits for the previous tile's last S GEMM and the output goes from registers to
-  // global memory.
+  // one key block long or not, take the previous tile's last PV (release_staged_output). With one
+  // buffer, Q waits for the previous tile's last S GEMM and the output is staged in the last
+  // K / V stage (kStageOutputInKV).
   static constexpr int kQBuffers = smem_bytes(3) <= kSmemLimit ? 3 : 1;
   static constexpr bool kStageOutput = kQBuffers > 1;
+  // One Q buffer: each consumer warpgroup stages its output in the tile's last K / V stage
+  // instead (warpgroup 0 in the K tile, 1 in the V tile; write_output), stores it with TMA
+  // and starts its next tile; the stage goes back to the producer once the store has read it.
+  // From registers, the output stores held the warpgroup 2.2-2.6 us at every tile's end (all
+  // CTAs store at once); staged, a tile's fixed cost fell from ~3.9 to ~2.5 us: head dim 256
+  // -3.0..-3.6% at T = 1024, -1.6..-2.9% at 4096, -0.3% at 16384 (docs/perf-notes.md, session 35).
+  static constexpr bool kStageOutputInKV = !kStageOutput;
   static constexpr int kKOffset = kv_offset(kQBuffers);
   static constexpr int kVOffset = kKOffset + kStages * kKVBytes;
   static constexpr int kBarrierOffset = barrier_offset(kQBuffers);
@@ -140,6 +148,8 @@ struct Config {
   static_assert(kSmemBytes <= kSmemLimit, "tile does not fit in shared memory");
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
   static_assert(kClusterSize == 1 || kClusterSize == 2);
+  static_assert(!kStageOutputInKV || (kConsumerWarpgroups == 2 && 64 * kHeadDim * 2 <= kKVBytes),
+                "a warpgroup's output must fit in a K or V stage, one per warpgroup");
 };
 
 // The mbarriers, in order, at kBarrierOffset: one per Q buffer / K or V stage, 8 bytes apart.
@@ -160,7 +170,7 @@ struct BarrierAddresses {
 // so the tensor maps stay in parameter space where TMA can read them.
 struct Params {
   CUtensorMap tma_q, tma_k, tma_v;
-  CUtensorMap tma_o;  // boxes of 64 rows (one consumer warpgroup); encoded when kStageOutput
+  CUtensorMap tma_o;  // boxes of 64 rows (one consumer warpgroup)
   void* out;
   float* lse;
   const int32_t* q_seqlens;   // may be null: all T rows valid
@@ -510,9 +520,8 @@ __device__ void run_producer(const Params& p, uint32_t smem, BarrierAddresses ba
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_q)));
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_k)));
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_v)));
-  if constexpr (Cfg::kStageOutput) {  // for the consumers' output stores
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_o)));
-  }
+  // for the consumers' output stores
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&p.tma_o)));
   int block_count = 0;  // stage uses so far, over all tiles: selects stage and phase
   StagePhases<Cfg> phases;
   int q_count = 0;
@@ -770,11 +779,10 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int quad_lane) 
 }
 
 // out = o / sum for this thread's two rows, from registers; rows past q_len are not stored.
-// Used when there is no second Q buffer to stage the output in (head dim 256), and for empty
-// tiles. The quad transposes each 32-column group first, so that every lane stores 16 bytes
-// (one st.global.v4) instead of four 4-byte stores: a warp store then covers 8 rows x 64
-// contiguous bytes, and the LSU passes per output tile drop 4x (the head dim 256 epilogue was
-// 64 half-sector stores per thread, on the tile's critical path with one Q buffer).
+// Used for empty tiles (no Q loaded, nothing staged; every other tile's output is staged and
+// stored by TMA, write_output). The quad transposes each 32-column group first, so that every
+// lane stores 16 bytes (one st.global.v4) instead of four 4-byte stores: a warp store then
+// covers 8 rows x 64 contiguous bytes.
 template <class Cfg>
 __device__ __forceinline__ void store_output(const Params& p, const FinishedTile& f,
                                              const Lane& lane,
@@ -806,11 +814,17 @@ __device__ __forceinline__ void store_output(const Params& p, const FinishedTile
 }
 
 // Named barrier ids 1..W: barrier w lets consumer warpgroup w issue its GEMMs next. Ids
-// W+1..2W: consumer warpgroup w's 128 threads before its output store (stage_output).
+// W+1..2W: consumer warpgroup w's 128 threads before its output store (stage_output). Ids
+// 2W+1..2W+2 (kStageOutputInKV): the other warpgroup no longer reads the K / V tile that
+// warpgroup w stages its output in (write_output).
 __device__ __forceinline__ int scheduler_barrier(int warpgroup) { return 1 + warpgroup; }
 template <class Cfg>
 __device__ __forceinline__ int output_barrier(int warpgroup) {
   return 1 + Cfg::kConsumerWarpgroups + warpgroup;
+}
+template <class Cfg>
+__device__ __forceinline__ int staging_tile_barrier(int warpgroup) {
+  return 1 + 2 * Cfg::kConsumerWarpgroups + warpgroup;
 }
 
 // What one consumer warpgroup keeps across tiles: its place in the CTA and in the pipelines.
@@ -823,7 +837,9 @@ struct ConsumerState {
   uint32_t q_rows;  // shared address of this warpgroup's first Q row (slab 0) in Q buffer 0
   int block_count;  // stage uses so far (key blocks; in a cluster passed ones too): the stage
   int q_count;      // non-empty tiles started so far: selects Q buffer and phase
-  int unreleased_q_buffer;  // an output store reads it, not yet handed back (-1: none)
+  // The buffer an output store reads, not yet handed back (-1: none): a Q buffer
+  // (kStageOutput) or the K / V stage whose K (warpgroup 0) or V tile it is (kStageOutputInKV).
+  int unreleased;
 };
 
 // A tile whose key blocks are done but whose last PV is not issued yet (see consume_tile): its
@@ -833,18 +849,19 @@ struct PendingTile {
   bool valid;
 };
 
-// The output of this warpgroup's 64 rows (in its rows of the tile's Q buffer, which no S GEMM
-// of this warpgroup reads any more) goes to shared memory in the layout TMA loaded Q in, then one
-// thread stores it with TMA, so that the warpgroup can start its next tile while the store
-// runs. The Q buffer is released to the producer once the store has read it (release_staged_q,
-// during the warpgroup's next GEMMs), which is why this needs more than one Q buffer.
+// The output of this warpgroup's 64 rows goes to shared memory at `rows` (64-column slabs
+// slab_bytes apart, in the layout TMA loads Q in), then one thread stores it with TMA, so that
+// the warpgroup can start its next tile while the store runs. The buffer is released to the
+// producer once the store has read it (release_staged_output, during the warpgroup's next
+// GEMMs). Where: its rows of the tile's Q buffer, which no S GEMM of this warpgroup reads any
+// more (kStageOutput: this needs more than one Q buffer), or a K / V tile (write_output).
 template <class Cfg>
 __device__ __forceinline__ void stage_output(const Params& p, const FinishedTile& f,
                                              const ConsumerState& c,
-                                             const float (&o)[Cfg::kHeadDim / 2]) {
+                                             const float (&o)[Cfg::kHeadDim / 2],
+                                             uint32_t rows, uint32_t slab_bytes) {
   using Element = typename Cfg::Element;
   constexpr int kSteps = Cfg::kHeadDim / 16;
-  const uint32_t q_rows = c.q_rows + f.q_buffer * Cfg::kQBytes;
   // O / row sum as A fragments (register j: the row + 8 (j % 2), whose 1 / sum it takes), one
   // stmatrix per 16 columns instead of a 4-byte store per 2 columns and row.
   uint32_t a[kSteps][4];
@@ -856,15 +873,13 @@ __device__ __forceinline__ void stage_output(const Params& p, const FinishedTile
                                 o[8 * kk + 2 * j + 1] * f.inv_sum[j % 2]);
     }
   }
-  store_fragments_swizzled(q_rows, Cfg::kBlockM * 128, c.lane.row0 & ~15, 0, threadIdx.x % 32,
-                           a);
+  store_fragments_swizzled(rows, slab_bytes, c.lane.row0 & ~15, 0, threadIdx.x % 32, a);
   fence_proxy_async_shared();
   named_barrier_sync(output_barrier<Cfg>(c.warpgroup), 128);
   if (c.leader) {
 #pragma unroll
     for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
-      tma_store_box(&p.tma_o, q_rows + slab * (Cfg::kBlockM * 128), slab * 64, f.row_lo,
-                    f.head, f.batch);
+      tma_store_box(&p.tma_o, rows + slab * slab_bytes, slab * 64, f.row_lo, f.head, f.batch);
     }
     bulk_commit();
   }
@@ -880,65 +895,94 @@ __device__ __forceinline__ void issue_in_turn(const ConsumerState& c, IssueGemms
 }
 
 // S of key block nb (K in `stage`) has landed: free the K stage (and Q after the tile's last
-// block), then softcap and mask the scores.
+// block), then softcap and mask the scores. The tile's last K tile, where warpgroup 0 stages its
+// output (kStageOutputInKV), is freed by that store instead, once warpgroup 1 is done with it.
 template <class Cfg>
 __device__ __forceinline__ void take_scores(const Params& p, const Tile& t,
                                             const BarrierAddresses& bars,
                                             const ConsumerState& c, int stage, int nb,
                                             int row_lo, float (&s)[Cfg::kBlockN / 2]) {
   fence_registers(s);
+  const bool last = nb == t.n_min;
   if (c.warp_leader) {
-    mbarrier_arrive(bars.k_empty + 8 * stage);
-    // One Q buffer: released after the tile's last S (two: after the output store has read
-    // it, see release_staged_q).
-    if (!Cfg::kStageOutput && nb == t.n_min) mbarrier_arrive(bars.q_empty);
+    if (!(Cfg::kStageOutputInKV && last && c.warpgroup == 0)) {
+      mbarrier_arrive(bars.k_empty + 8 * stage);
+    }
+    // One Q buffer: released after the tile's last S (more: after the output store has read
+    // it, see release_staged_output).
+    if (!Cfg::kStageOutput && last) mbarrier_arrive(bars.q_empty);
+  }
+  if (Cfg::kStageOutputInKV && last && c.warpgroup == 1) {
+    named_barrier_arrive(staging_tile_barrier<Cfg>(0), 256);
   }
   shape_scores<Cfg>(s, p, t, row_lo + c.lane.row0, nb * Cfg::kBlockN + c.lane.col0,
                     block_needs_mask<Cfg>(p, t, row_lo, nb));
 }
 
-// O += P V (V in `stage`) has landed: O and the fragments are free, and so is the V stage.
+// O += P V (V in `stage`) has landed: O and the fragments are free, and so is the V stage,
+// unless `staged_in` (a tile's last V tile, where warpgroup 1 stages its output: freed by that
+// store instead).
 template <class Cfg>
 __device__ __forceinline__ void take_output(const BarrierAddresses& bars, const ConsumerState& c,
                                             int stage, float (&o)[Cfg::kHeadDim / 2],
-                                            uint32_t (&pa)[Cfg::kBlockN / 16][4]) {
+                                            uint32_t (&pa)[Cfg::kBlockN / 16][4],
+                                            bool staged_in = false) {
   fence_registers(o);
   fence_registers(pa);
-  if (c.warp_leader) mbarrier_arrive(bars.v_empty + 8 * stage);
+  if (c.warp_leader && !staged_in) mbarrier_arrive(bars.v_empty + 8 * stage);
 }
 
-// Hands the Q buffer of the last staged output store back to the producer once the store has
+// Hands the buffer of the last staged output store back to the producer once the store has
 // read it (only the issuing thread can wait for that). Called after each GEMM issue, so that the
-// wait overlaps the GEMMs: the store of tile n is issued in tile n + 1's first block, and the
-// next issue releases it: tile n + 1's second block, or, when tile n + 1 has one key block,
-// tile n + 2's first. Either way before tile n + 3 waits for the Q that the producer loads into
-// the same buffer (three buffers; with two, tile n + 2 would wait for a release that only its
-// own first issue makes).
+// wait overlaps the GEMMs.
+//   Q buffer (kStageOutput): the store of tile n is issued in tile n + 1's first block, and the
+//   next issue releases it: tile n + 1's second block, or, when tile n + 1 has one key block,
+//   tile n + 2's first. Either way before tile n + 3 waits for the Q that the producer loads
+//   into the same buffer (three buffers; with two, tile n + 2 would wait for a release that
+//   only its own first issue makes).
+//   K / V stage (kStageOutputInKV): the store of tile n is issued at its end; tile n + 1's first
+//   issue releases it (its first block is in the other stage), or, in a cluster where tile
+//   n + 1 starts with an odd count of the other CTA's blocks, the wait for its first block
+//   (consume_tile). This warpgroup's 4 arrivals of the stage's 8.
 template <class Cfg>
-__device__ __forceinline__ void release_staged_q(const BarrierAddresses& bars, ConsumerState& c) {
+__device__ __forceinline__ void release_staged_output(const BarrierAddresses& bars,
+                                                      ConsumerState& c) {
   if constexpr (Cfg::kStageOutput) {
-    bulk_read_wait_then_arrive_if(c.leader && c.unreleased_q_buffer >= 0,
-                                  bars.q_empty + 8 * c.unreleased_q_buffer);
-    c.unreleased_q_buffer = -1;
+    bulk_read_wait_then_arrive_if(c.leader && c.unreleased >= 0, bars.q_empty + 8 * c.unreleased);
+  } else {
+    bulk_read_wait_then_arrive_if<4>(
+        c.leader && c.unreleased >= 0,
+        (c.warpgroup == 0 ? bars.k_empty : bars.v_empty) + 8 * c.unreleased);
   }
+  c.unreleased = -1;
 }
 
-// The output of a tile whose last PV has landed in o.
+// The output of a tile whose last PV has landed in o; `stage`: the K / V stage of the tile's
+// last key block. With one Q buffer (kStageOutputInKV) it goes to that stage's K tile
+// (warpgroup 0) or V tile (warpgroup 1), 64 rows a slab. The other warpgroup reads both in its
+// last S and PV GEMMs, so each waits for the one it takes (staging_tile_barrier); its own reads of
+// the stage are done. This warpgroup's "empty" arrivals of the stage for that tile wait for the
+// store (take_scores, take_output): its leader makes them once the store has read the tile
+// (release_staged_output).
 template <class Cfg>
 __device__ __forceinline__ void write_output(const Params& p, const FinishedTile& f,
                                              ConsumerState& c,
-                                             const float (&o)[Cfg::kHeadDim / 2]) {
+                                             const float (&o)[Cfg::kHeadDim / 2],
+                                             uint32_t smem, int stage) {
   if constexpr (Cfg::kStageOutput) {
-    stage_output<Cfg>(p, f, c, o);
-    c.unreleased_q_buffer = f.q_buffer;
+    stage_output<Cfg>(p, f, c, o, c.q_rows + f.q_buffer * Cfg::kQBytes, Cfg::kBlockM * 128);
+    c.unreleased = f.q_buffer;
   } else {
-    store_output<Cfg>(p, f, c.lane, o);
+    named_barrier_sync(staging_tile_barrier<Cfg>(c.warpgroup), 256);
+    const uint32_t tile = c.warpgroup == 0 ? k_tile<Cfg>(smem, stage) : v_tile<Cfg>(smem, stage);
+    stage_output<Cfg>(p, f, c, o, tile, 64 * 128);
+    c.unreleased = stage;
   }
 }
 
 // A tile's last PV in a GEMM turn of its own, then its output (finish() gives where it goes):
-// every tile at head dim 256 (one Q buffer: the next tile's Q cannot be there yet), and the
-// last tile of a CTA otherwise.
+// every tile with one Q buffer (head dim 256, the wide tile: the next tile's Q cannot be there
+// yet), and the last tile of a CTA otherwise.
 template <class Cfg, class Finish>
 __device__ __forceinline__ void last_pv_alone(const Params& p, uint32_t smem,
                                               const BarrierAddresses& bars, ConsumerState& c,
@@ -955,8 +999,12 @@ __device__ __forceinline__ void last_pv_alone(const Params& p, uint32_t smem,
   });
   wgmma_wait<0>();
   TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kLastPvDone);
-  take_output<Cfg>(bars, c, prev, o, pa);
-  write_output<Cfg>(p, finish(), c, o);
+  take_output<Cfg>(bars, c, prev, o, pa, Cfg::kStageOutputInKV && c.warpgroup == 1);
+  // Warpgroup 1 stages its output in this V tile (write_output).
+  if (Cfg::kStageOutputInKV && c.warpgroup == 0) {
+    named_barrier_arrive(staging_tile_barrier<Cfg>(1), 256);
+  }
+  write_output<Cfg>(p, finish(), c, o, smem, prev);
   TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kStored);
 }
 
@@ -980,6 +1028,14 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
   const int row_lo = t.m_block * Cfg::kBlockM + c.warpgroup * 64;  // this warpgroup's rows
   const int q_buffer = c.q_count % Cfg::kQBuffers;
   const uint32_t q_rows = c.q_rows + q_buffer * Cfg::kQBytes;
+  // In a cluster, after an odd count of passed stage uses (below), the first block takes the
+  // stage of the previous tile's staged output (kStageOutputInKV), which the producer loads (and
+  // the Q behind it, one Q buffer) only once the store has read it.
+  if constexpr (Cfg::kStageOutputInKV && Cfg::kClusterSize > 1) {
+    if (c.unreleased == (c.block_count + t.n_lead() - t.n_max) % kStages) {
+      release_staged_output<Cfg>(bars, c);
+    }
+  }
   // Timeline: this tile is number c.q_count until the increment, c.q_count - 1 after it; the
   // pending tile (fused) c.q_count - 2.
   TIMELINE_CONSUMER_EVENT(c, c.q_count, kQWait);
@@ -1020,7 +1076,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
       }
     });
     // The store staged in the previous tile's first block, when that tile had no second block.
-    release_staged_q<Cfg>(bars, c);
+    release_staged_output<Cfg>(bars, c);
     wgmma_wait<kFused ? 1 : 0>();    // S done; the pending PV may still run
     TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kFirstScores);
     take_scores<Cfg>(p, t, bars, c, stage, nb, row_lo, s);
@@ -1031,7 +1087,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
       // softmax never overlapped the PV GEMM"); the stamp stays after both.
       TIMELINE_CONSUMER_EVENT(c, c.q_count - 2, kLastPvDone);
       take_output<Cfg>(bars, c, prev, o, pa);
-      write_output<Cfg>(p, pending.f, c, o);
+      write_output<Cfg>(p, pending.f, c, o, smem, prev);
       TIMELINE_CONSUMER_EVENT(c, c.q_count - 2, kStored);
     }
   };
@@ -1059,7 +1115,9 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
       issue_pv<Cfg>(pa, v_tile<Cfg>(smem, prev), o);
       wgmma_commit();
     });
-    release_staged_q<Cfg>(bars, c);  // the store issued in this tile's first block (fused)
+    if constexpr (Cfg::kStageOutput) {
+      release_staged_output<Cfg>(bars, c);  // the store issued in this tile's first block (fused)
+    }
     wgmma_wait<1>();  // S_j done, PV_{j+1} may still run
     TIMELINE_BLOCK_EVENT(c, c.q_count - 1, t.n_max - 2 - nb, kBlockScores);
     take_scores<Cfg>(p, t, bars, c, stage, nb, row_lo, s);
@@ -1102,7 +1160,7 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
   c.q_rows = smem + warpgroup * 64 * 128;
   c.block_count = 0;
   c.q_count = 0;
-  c.unreleased_q_buffer = -1;
+  c.unreleased = -1;
   StagePhases<Cfg> phases;
 
   // The first warpgroup goes first.
@@ -1133,8 +1191,10 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
   if (pending.valid) {
     last_pv_alone<Cfg>(p, smem, bars, c, phases, o, pa, [&] { return pending.f; });
   }
+  // In a cluster the producer's last exchange waits for the stage of the last staged output.
+  if constexpr (Cfg::kStageOutputInKV) release_staged_output<Cfg>(bars, c);
   // The shared memory the output stores read must outlive them; wait for them to finish.
-  if (Cfg::kStageOutput && c.leader) bulk_wait_all();
+  if (c.leader) bulk_wait_all();
   TIMELINE_EVENT(tl::kConsumerExit + warpgroup, c.leader);
   TIMELINE_CTA_INFO(c.q_count, c.leader && warpgroup == 0);
 }
@@ -1380,8 +1440,8 @@ cudaError_t launch(const ForwardArgs& a, QueryRows rows, int sm_count, cudaStrea
                          sh.head_dim, Cfg::kKVBoxRows) ||
       !encode_tensor_map(&p.tma_v, a.v, a.dtype, sh.batch, sh.kv_len, sh.num_kv_heads,
                          sh.head_dim, Cfg::kKVBoxRows) ||
-      (Cfg::kStageOutput && !encode_tensor_map(&p.tma_o, out, a.dtype, sh.batch, rows.count,
-                                               sh.q_len, sh.num_heads, sh.head_dim, 64))) {
+      !encode_tensor_map(&p.tma_o, out, a.dtype, sh.batch, rows.count, sh.q_len, sh.num_heads,
+                         sh.head_dim, 64)) {
     return cudaErrorInvalidValue;
   }
   p.out = out;

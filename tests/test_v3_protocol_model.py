@@ -1,9 +1,10 @@
 """The v3 forward's barrier protocol (Q buffers, K / V stages, the pingpong ring, fused tile
-boundaries, staged output stores, and the K / V multicast of a cluster of two CTAs) as a CPU
-model, tests/gpu/v3_fwd_protocol_model.py: random tile sequences under random interleavings, alone
-and in clusters, must neither deadlock nor overwrite a buffer in use; two staged Q buffers must
-still deadlock where the kernel relies on the third, and each mutation of the cluster's release
-exchange, "full" barriers, lone loads and passed stage uses must show the error it causes."""
+boundaries, output stores staged in a Q buffer or a K / V stage, and the K / V multicast of a
+cluster of two CTAs) as a CPU model, tests/gpu/v3_fwd_protocol_model.py: random tile sequences
+under random interleavings, alone and in clusters, must neither deadlock nor overwrite a buffer in
+use; two staged Q buffers must still deadlock where the kernel relies on the third, and each
+mutation of the cluster's release exchange, "full" barriers, lone loads, passed stage uses and
+K / V staging must show the error it causes."""
 import pathlib
 import subprocess
 import sys
