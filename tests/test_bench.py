@@ -2,6 +2,7 @@
 import json
 import math
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -266,3 +267,24 @@ def test_each_timed_repeat_is_preceded_by_untimed_calls_of_its_own_target():
   # per repeat and target: 4 settling calls (2 iters x 0.1 / 0.05), then the 2 timed ones
   assert "".join(log) == ("a" * 6 + "b" * 6) * 2
   assert len(timings["a"].samples_s) == 2
+
+
+def test_stall_dump_prints_every_threads_stack_while_a_case_stalls(capfd):
+  def stalled_case():
+    time.sleep(0.55)
+
+  with cli.stall_dump(0.2):
+    stalled_case()
+  err = capfd.readouterr().err
+  assert "stalled_case" in err and err.count("Timeout (") >= 2  # repeated while it stalls
+  with cli.stall_dump(0.2):
+    pass  # a case that finishes in time prints nothing, and the dump is cancelled after it
+  time.sleep(0.4)
+  with cli.stall_dump(0.0):  # off
+    time.sleep(0.3)
+  assert capfd.readouterr().err == ""
+
+
+def test_negative_stall_dump_is_refused():
+  with pytest.raises(SystemExit):
+    cli.parse_args(["--stall-dump-s", "-1"])

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import faulthandler
 import json
 import os
 import platform
@@ -71,6 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="skip the unfused XLA peer above this T (GPU default 8192; 0: never skip)")
   p.add_argument("--no-torch", action="store_true", help="leave the PyTorch peers out")
   p.add_argument("--no-ceilings", action="store_true", help="skip the matmul / copy ceilings")
+  p.add_argument("--stall-dump-s", type=float, default=120.0,
+                 help="while one case runs longer than this many seconds, print every thread's "
+                      "Python stack to stderr, again each time as much more passes (the run goes "
+                      "on; default 120; 0 off): a stalled run then shows where it waits")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--from-json", metavar="PATH",
                  help="measure nothing: re-render the table and the PNG of an earlier run's JSON "
@@ -81,7 +87,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--mode: {unknown} not among {configs.MODES}")
   if args.check_rows < 1:
     p.error(f"--check-rows must be >= 1; got {args.check_rows}")
+  if args.stall_dump_s < 0:
+    p.error(f"--stall-dump-s must be >= 0; got {args.stall_dump_s}")
   return args
+
+
+@contextlib.contextmanager
+def stall_dump(seconds: float):
+  """Prints every thread's Python stack to stderr each `seconds` while the body runs (0: off).
+
+  From faulthandler's own thread, so it prints while the main thread is blocked in a device wait
+  or a lock, which is where a benchmark stalls (an idle GPU with no output, as one run did)."""
+  if seconds <= 0:
+    yield
+    return
+  faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.stderr)
+  try:
+    yield
+  finally:
+    faulthandler.cancel_dump_traceback_later()
 
 
 def build_cases(args: argparse.Namespace, backend: str) -> list[configs.Case]:
@@ -211,7 +235,8 @@ def main(argv=None) -> int:
     if time.monotonic() > options.deadline:
       payload["notes"].append(f"not run (time budget --max-seconds): {case.mode} {case.label}")
       continue
-    result = run_case(case, [p for p in chosen if case.mode in p.modes], options)
+    with stall_dump(args.stall_dump_s):
+      result = run_case(case, [p for p in chosen if case.mode in p.modes], options)
     payload["cases"].append(result)
     print(report.case_details(result) + f"\n   ({result['seconds']:.1f} s)", flush=True)
     _write_outputs(payload, args.out, backend, final=False)

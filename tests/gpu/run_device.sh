@@ -38,7 +38,9 @@ if has bench; then  # the grid of BENCHMARK.md, every mode, the peers in the sam
   timeout ${BENCH_TIMEOUT:-480} python3 -m jax_flash.bench --mode ${BENCH_MODES:-decode,fwd,fwdbwd} \
     --impl ${BENCH_IMPL:-v2,v3,cudnn,torch_cudnn,torch_flash,flash_decode,xla} --xla-max-seqlen 1 \
     --repeats ${BENCH_REPEATS:-5} --max-seconds ${BENCH_MAX_SECONDS:-300} --out "$OUT/bench" > /tmp/bench.log 2>&1
-  echo "bench rc=$?"; sed -n '/^== /,$p' /tmp/bench.log | head -80
+  rc=$?; echo "bench rc=$rc"; sed -n '/^== /,$p' /tmp/bench.log | head -80
+  # A stalled case leaves every thread's stack in the log (the bench's --stall-dump-s).
+  if [ $rc -ne 0 ]; then grep -A40 "^Timeout (" /tmp/bench.log | tail -60; fi
   kill $smi
   rm -f "$OUT"/bench/*.png  # re-rendered off the device: python -m jax_flash.bench --from-json
 fi
