@@ -1,6 +1,8 @@
 """python -m jax_flash.bench on tiny CPU cases: outputs written, numbers sane, garbage caught."""
+import io
 import json
 import math
+import sys
 import threading
 import time
 
@@ -283,6 +285,12 @@ def test_stall_dump_prints_every_threads_stack_while_a_case_stalls(capfd):
   with cli.stall_dump(0.0):  # off
     time.sleep(0.3)
   assert capfd.readouterr().err == ""
+
+
+def test_stall_dump_with_a_stderr_that_has_no_file_descriptor(monkeypatch):
+  monkeypatch.setattr(sys, "stderr", io.StringIO())  # as in a notebook
+  with cli.stall_dump(5.0):
+    pass
 
 
 def test_negative_stall_dump_is_refused():
