@@ -234,8 +234,7 @@ def run(tiles, W, staged, seed, staged_buffers=3, cluster=1, mutation=None, stag
                 kv = "KV"[w]
                 cta.stage_store[kv][c['unreleased']] -= 1
                 if mutation != "staged stage released before its store read it":
-                    cta.stage[kv][c['unreleased']].released += 1
-                    cta.empty[kv][c['unreleased']].arrive()
+                    release(kv, c['unreleased'])  # the stage's index stands for its block
             c['unreleased'] = -1
         def write_output(buf):
             if staged:
@@ -253,7 +252,7 @@ def run(tiles, W, staged, seed, staged_buffers=3, cluster=1, mutation=None, stag
                 errors.append(f"CTA{cta.rank} wg{w} stages its output in {kv} stage {st} "
                               f"holding block {stage.block} ({stage.released} of {W} done)")
             if mutation == "staged stage released before its store read it":
-                stage.released += 1; cta.empty[kv][st].arrive()
+                release(kv, block)
             cta.stage_store[kv][st] += 1
             c['unreleased'] = st
         def take(kv, block):
