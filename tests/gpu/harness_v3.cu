@@ -37,6 +37,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <string>
@@ -491,11 +492,15 @@ using harness::timeline::Spread;
 constexpr int kTimelineTileKinds = 4;
 const char* const kTimelineTileKindNames[kTimelineTileKinds] = {"0", "1", "n-2", "n-1"};
 
-const char* const kTimelineProducerEventNames[tl::kConsumer - tl::kQIssued] = {
-    "prod_q_issued", "prod_first_kv_issued", "prod_last_kv_issued"};
-const char* const kTimelineConsumerEventNames[tl::kConsumerEvents] = {
-    "q_wait", "q_full", "first_turn", "first_scores", "first_block_done",
-    "loop_done", "last_pv_turn", "last_pv_done", "stored"};
+// Unsized, so that an event added to cuda/v3.h without its name fails to compile here instead
+// of leaving a null name.
+const char* const kTimelineProducerEventNames[] = {"prod_q_issued", "prod_first_kv_issued",
+                                                   "prod_last_kv_issued"};
+static_assert(std::size(kTimelineProducerEventNames) == tl::kConsumer - tl::kQIssued);
+const char* const kTimelineConsumerEventNames[] = {
+    "q_wait",       "q_full",       "first_turn",   "first_scores", "first_block_done", "loop_done",
+    "last_pv_turn", "last_pv_done", "staging_free", "staged",       "stored"};
+static_assert(std::size(kTimelineConsumerEventNames) == tl::kConsumerEvents);
 
 // Column names of record e (CSV header). Slot s holds tile s for s < 2, else the CTA's last
 // tile k with k % 2 == s - 2 (see tl::kTileSlots).
