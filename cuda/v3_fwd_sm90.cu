@@ -855,11 +855,12 @@ struct PendingTile {
 // producer once the store has read it (release_staged_output, during the warpgroup's next
 // GEMMs). Where: its rows of the tile's Q buffer, which no S GEMM of this warpgroup reads any
 // more (kStageOutput: this needs more than one Q buffer), or a K / V tile (write_output).
+// `tile`: the CTA's tile number, only for the timeline's stamps.
 template <class Cfg>
 __device__ __forceinline__ void stage_output(const Params& p, const FinishedTile& f,
                                              const ConsumerState& c,
                                              const float (&o)[Cfg::kHeadDim / 2],
-                                             uint32_t rows, uint32_t slab_bytes) {
+                                             uint32_t rows, uint32_t slab_bytes, int tile) {
   using Element = typename Cfg::Element;
   constexpr int kSteps = Cfg::kHeadDim / 16;
   // O / row sum as A fragments (register j: the row + 8 (j % 2), whose 1 / sum it takes), one
@@ -875,6 +876,7 @@ __device__ __forceinline__ void stage_output(const Params& p, const FinishedTile
   }
   store_fragments_swizzled(rows, slab_bytes, c.lane.row0 & ~15, 0, threadIdx.x % 32, a);
   fence_proxy_async_shared();
+  TIMELINE_CONSUMER_EVENT(c, tile, kStaged);
   named_barrier_sync(output_barrier<Cfg>(c.warpgroup), 128);
   if (c.leader) {
 #pragma unroll
@@ -963,19 +965,21 @@ __device__ __forceinline__ void release_staged_output(const BarrierAddresses& ba
 // last S and PV GEMMs, so each waits for the one it takes (staging_tile_barrier); its own reads of
 // the stage are done. This warpgroup's "empty" arrivals of the stage for that tile wait for the
 // store (take_scores, take_output): its leader makes them once the store has read the tile
-// (release_staged_output).
+// (release_staged_output). `tile`: as in stage_output.
 template <class Cfg>
 __device__ __forceinline__ void write_output(const Params& p, const FinishedTile& f,
                                              ConsumerState& c,
                                              const float (&o)[Cfg::kHeadDim / 2],
-                                             uint32_t smem, int stage) {
+                                             uint32_t smem, int stage, int tile) {
   if constexpr (Cfg::kStageOutput) {
-    stage_output<Cfg>(p, f, c, o, c.q_rows + f.q_buffer * Cfg::kQBytes, Cfg::kBlockM * 128);
+    TIMELINE_CONSUMER_EVENT(c, tile, kStagingFree);
+    stage_output<Cfg>(p, f, c, o, c.q_rows + f.q_buffer * Cfg::kQBytes, Cfg::kBlockM * 128, tile);
     c.unreleased = f.q_buffer;
   } else {
     named_barrier_sync(staging_tile_barrier<Cfg>(c.warpgroup), 256);
-    const uint32_t tile = c.warpgroup == 0 ? k_tile<Cfg>(smem, stage) : v_tile<Cfg>(smem, stage);
-    stage_output<Cfg>(p, f, c, o, tile, 64 * 128);
+    TIMELINE_CONSUMER_EVENT(c, tile, kStagingFree);
+    const uint32_t rows = c.warpgroup == 0 ? k_tile<Cfg>(smem, stage) : v_tile<Cfg>(smem, stage);
+    stage_output<Cfg>(p, f, c, o, rows, 64 * 128, tile);
     c.unreleased = stage;
   }
 }
@@ -1004,7 +1008,7 @@ __device__ __forceinline__ void last_pv_alone(const Params& p, uint32_t smem,
   if (Cfg::kStageOutputInKV && c.warpgroup == 0) {
     named_barrier_arrive(staging_tile_barrier<Cfg>(1), 256);
   }
-  write_output<Cfg>(p, finish(), c, o, smem, prev);
+  write_output<Cfg>(p, finish(), c, o, smem, prev, c.q_count - 1);
   TIMELINE_CONSUMER_EVENT(c, c.q_count - 1, kStored);
 }
 
@@ -1087,7 +1091,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const Tile& t, uin
       // softmax never overlapped the PV GEMM"); the stamp stays after both.
       TIMELINE_CONSUMER_EVENT(c, c.q_count - 2, kLastPvDone);
       take_output<Cfg>(bars, c, prev, o, pa);
-      write_output<Cfg>(p, pending.f, c, o, smem, prev);
+      write_output<Cfg>(p, pending.f, c, o, smem, prev, c.q_count - 2);
       TIMELINE_CONSUMER_EVENT(c, c.q_count - 2, kStored);
     }
   };

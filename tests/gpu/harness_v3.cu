@@ -37,6 +37,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <string>
@@ -491,11 +492,15 @@ using harness::timeline::Spread;
 constexpr int kTimelineTileKinds = 4;
 const char* const kTimelineTileKindNames[kTimelineTileKinds] = {"0", "1", "n-2", "n-1"};
 
-const char* const kTimelineProducerEventNames[tl::kConsumer - tl::kQIssued] = {
-    "prod_q_issued", "prod_first_kv_issued", "prod_last_kv_issued"};
-const char* const kTimelineConsumerEventNames[tl::kConsumerEvents] = {
-    "q_wait", "q_full", "first_turn", "first_scores", "first_block_done",
-    "loop_done", "last_pv_turn", "last_pv_done", "stored"};
+// Unsized, so that an event added to cuda/v3.h without its name fails to compile here instead
+// of leaving a null name.
+const char* const kTimelineProducerEventNames[] = {"prod_q_issued", "prod_first_kv_issued",
+                                                   "prod_last_kv_issued"};
+static_assert(std::size(kTimelineProducerEventNames) == tl::kConsumer - tl::kQIssued);
+const char* const kTimelineConsumerEventNames[] = {
+    "q_wait",       "q_full",       "first_turn",   "first_scores", "first_block_done", "loop_done",
+    "last_pv_turn", "last_pv_done", "staging_free", "staged",       "stored"};
+static_assert(std::size(kTimelineConsumerEventNames) == tl::kConsumerEvents);
 
 // Column names of record e (CSV header). Slot s holds tile s for s < 2, else the CTA's last
 // tile k with k % 2 == s - 2 (see tl::kTileSlots).
@@ -551,13 +556,13 @@ std::string median_us(const std::vector<double>& ns) {
 void print_tile_budget(const std::vector<FwdCtaTimeline>& all, int w) {
   std::printf(" wg%d tiles (us, medians over CTAs; the tile starts when its Q wait begins):\n",
               w + 1);
-  std::printf("  %-10s %6s %8s %8s %8s %8s %8s %8s %8s | %8s %8s %8s | %8s\n", "tile", "blocks",
-              "duration", "q_wait", "turn", "S_0", "blk0", "per_blk", "to_next", "pv_turn",
-              "pv", "store", "fixed");
+  std::printf("  %-10s %6s %8s %8s %8s %8s %8s %8s %8s | %8s %8s %8s | %8s | %8s %8s %8s\n",
+              "tile", "blocks", "duration", "q_wait", "turn", "S_0", "blk0", "per_blk", "to_next",
+              "pv_turn", "pv", "store", "fixed", "st_free", "st_smem", "st_issue");
   const auto c_ev = [&](const FwdCtaTimeline& t, int tile, int e) { return t.consumer(w, tile, e); };
   for (int kind = 0; kind < kTimelineTileKinds; ++kind) {
     std::vector<double> blocks, duration, q_wait, turn, s0, blk0, per_blk, to_next, pv_turn, pv,
-        store, fixed;
+        store, fixed, store_free, store_staged, store_issued;
     for (const FwdCtaTimeline& t : all) {
       if (t.tiles < kTimelineTileKinds || w >= t.consumers) continue;
       const int k = t.tile_of_kind(kind), n_blocks = t.key_blocks(k);
@@ -571,6 +576,9 @@ void print_tile_budget(const std::vector<FwdCtaTimeline>& all, int w) {
       pv_turn.push_back(t.ns(loop_done, c_ev(t, k, tl::kLastPvTurn)));
       pv.push_back(t.ns(c_ev(t, k, tl::kLastPvTurn), c_ev(t, k, tl::kLastPvDone)));
       store.push_back(t.ns(c_ev(t, k, tl::kLastPvDone), c_ev(t, k, tl::kStored)));
+      store_free.push_back(t.ns(c_ev(t, k, tl::kLastPvDone), c_ev(t, k, tl::kStagingFree)));
+      store_staged.push_back(t.ns(c_ev(t, k, tl::kStagingFree), c_ev(t, k, tl::kStaged)));
+      store_issued.push_back(t.ns(c_ev(t, k, tl::kStaged), c_ev(t, k, tl::kStored)));
       const double step = n_blocks > 1 ? t.ns(first_done, loop_done) / (n_blocks - 1) : NAN;
       if (n_blocks > 1) per_blk.push_back(step);
       // The tile ends where the next one starts; the CTA's last one when its output is stored.
@@ -587,13 +595,14 @@ void print_tile_budget(const std::vector<FwdCtaTimeline>& all, int w) {
       if (n_blocks > 1) fixed.push_back(t.ns(start, end) - n_blocks * step);
     }
     if (blocks.empty()) continue;
-    std::printf("  %-10s %6.0f %s %s %s %s %s %s %s | %s %s %s | %s\n",
+    std::printf("  %-10s %6.0f %s %s %s %s %s %s %s | %s %s %s | %s | %s %s %s\n",
                 kind == kTimelineTileKinds - 1 ? "n-1 (*)" : kTimelineTileKindNames[kind],
                 spread(blocks).p50, median_us(duration).c_str(), median_us(q_wait).c_str(),
                 median_us(turn).c_str(), median_us(s0).c_str(), median_us(blk0).c_str(),
                 median_us(per_blk).c_str(), median_us(to_next).c_str(),
                 median_us(pv_turn).c_str(), median_us(pv).c_str(), median_us(store).c_str(),
-                median_us(fixed).c_str());
+                median_us(fixed).c_str(), median_us(store_free).c_str(),
+                median_us(store_staged).c_str(), median_us(store_issued).c_str());
   }
   // Tiles 1 .. n-3 together (CTAs of at least 4 tiles): from tile 1's start to tile n-2's.
   std::vector<double> mean_duration, mean_fixed;
@@ -620,7 +629,8 @@ void print_tile_budget(const std::vector<FwdCtaTimeline>& all, int w) {
   std::printf("  (*) to its output stored; tile 1 (n > 4): its next tile is not traced. blk0: "
               "block 0's softmax and, fused, the previous tile's last PV and output; to_next: lse, "
               "next tile's decode and, unfused, the last PV and output; fixed = duration - blocks "
-              "x per_blk\n");
+              "x per_blk; store = st_free (row sums, lse, wait for the staging tile) + st_smem (stmatrix, "
+              "proxy fence) + st_issue (the warpgroup's barrier, TMA store issue)\n");
 }
 
 // The steady key blocks of tile kind `kind` (CTAs of at least 4 tiles), per consumer warpgroup:
