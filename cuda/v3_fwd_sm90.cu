@@ -756,60 +756,20 @@ __device__ __forceinline__ FinishedTile finish_tile(const Params& p, const Tile&
   return f;
 }
 
-// A 4 x 4 transpose of 32-bit words across the quad (the 4 lanes that share a row): on entry
-// word j of lane q is chunk j's columns 2q..2q+1, on exit word j of lane q is chunk q's columns
-// 2j..2j+1, i.e. lane q holds 16 contiguous bytes of chunk q. Two butterfly stages (lanes 2
-// apart swap the off-diagonal 2 x 2 blocks, then lanes 1 apart the off-diagonal words), 4
-// shuffles; the selects keep every index static, so the words stay in registers.
-__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int quad_lane) {
-#pragma unroll
-  for (int half = 2; half >= 1; half /= 2) {
-    const bool upper = quad_lane & half;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (j & half) continue;  // j: the low word of each pair (j, j + half) swapped
-      const uint32_t received = __shfl_xor_sync(0xffffffff, upper ? w[j] : w[j + half], half);
-      if (upper) {
-        w[j] = received;
-      } else {
-        w[j + half] = received;
-      }
-    }
-  }
-}
-
-// out = o / sum for this thread's two rows, from registers; rows past q_len are not stored.
-// Used for empty tiles (no Q loaded, nothing staged; every other tile's output is staged and
-// stored by TMA, write_output). The quad transposes each 32-column group first, so that every
-// lane stores 16 bytes (one st.global.v4) instead of four 4-byte stores: a warp store then
-// covers 8 rows x 64 contiguous bytes.
+// out = 0 for the 64 rows of this warpgroup from row_lo on (rows past q_len are not stored):
+// the output of an empty tile, which loads no Q and stages nothing. Zeros need no layout:
+// consecutive threads store consecutive 16-byte chunks of a row.
 template <class Cfg>
-__device__ __forceinline__ void store_output(const Params& p, const FinishedTile& f,
-                                             const Lane& lane,
-                                             const float (&o)[Cfg::kHeadDim / 2]) {
+__device__ __forceinline__ void store_zero_output(const Params& p, const Tile& t, int row_lo) {
   using Element = typename Cfg::Element;
-  const int quad_lane = lane.col0 / 2;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int q = f.row_lo + lane.row0 + 8 * r;
-    const float inv_sum = f.inv_sum[r];
+  constexpr int kRowChunks = Cfg::kHeadDim * int(sizeof(Element)) / 16;
+  for (int i = threadIdx.x % 128; i < 64 * kRowChunks; i += 128) {
+    const int q = row_lo + i / kRowChunks;
+    if (q >= p.q_len) break;  // i grows with the row
     Element* out_row = static_cast<Element*>(p.out) +
-                       ((int64_t(f.batch) * p.batch_rows + q) * p.num_heads + f.head) *
+                       ((int64_t(t.batch) * p.batch_rows + q) * p.num_heads + t.head) *
                            Cfg::kHeadDim;
-#pragma unroll
-    for (int g = 0; g < Cfg::kHeadDim / 32; ++g) {  // 32 columns: 4 chunks of 8
-      uint32_t w[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int c = 4 * g + j;
-        w[j] = pack2<Element>(o[4 * c + 2 * r] * inv_sum, o[4 * c + 2 * r + 1] * inv_sum);
-      }
-      quad_transpose(w, quad_lane);  // every lane of the warp shuffles, stored or not
-      if (q < p.q_len) {
-        *reinterpret_cast<uint4*>(out_row + 8 * (4 * g + quad_lane)) =
-            make_uint4(w[0], w[1], w[2], w[3]);
-      }
-    }
+    reinterpret_cast<uint4*>(out_row)[i % kRowChunks] = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -1181,12 +1141,12 @@ __device__ void run_consumer(const Params& p, uint32_t smem, BarrierAddresses ba
       Tile t;
       if (!decode_tile<Cfg>(p, unit, second, t)) break;
       if (t.empty()) {
-        // No kept key and no Q loaded: out = 0 and lse = -inf, from registers (a pending
-        // tile's O stays where it is).
-        const float zero[Cfg::kHeadDim / 2] = {};
+        // No kept key and no Q loaded: lse = -inf (finish_tile) and out = 0, without touching
+        // the registers (a pending tile's O stays where it is).
         const RowStats none = {{-INFINITY, -INFINITY}, {0.f, 0.f}};
         const int row_lo = t.m_block * Cfg::kBlockM + warpgroup * 64;
-        store_output<Cfg>(p, finish_tile<Cfg>(p, t, row_lo, c.lane, none, 0), c.lane, zero);
+        finish_tile<Cfg>(p, t, row_lo, c.lane, none, 0);
+        store_zero_output<Cfg>(p, t, row_lo);
         continue;
       }
       consume_tile<Cfg>(p, t, smem, bars, c, phases, pending, o, s, pa, qa);

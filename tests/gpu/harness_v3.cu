@@ -324,7 +324,7 @@ std::vector<Case> check_cases() {
   cs.push_back(Case{hf, 2, 1252, 100, 66, 6, 64}.ragged({700, 1200}, {100, 77}));
   // More work units than SMs, so that every CTA runs several tiles: the two-buffer Q ring wraps
   // (its phases flip, outputs are stored by TMA from a buffer the producer refills two tiles
-  // later), and q_seqlens put empty tiles (output from registers) between staged ones.
+  // later), and q_seqlens put empty tiles (output zero-filled) between staged ones.
   cs.push_back({bf, 16, 256, 256, 16, 4, 64});
   cs.push_back(
       Case{hf, 8, 640, 640, 8, 8, 128, true}.ragged({640, 0, 300, 640, 1, 640, 129, 500}, {}));
