@@ -80,7 +80,8 @@ enum ConsumerEvent : int {
   kLastPvTurn,      // the turn that issues the last PV acquired (fused: the next tile's first)
   kLastPvDone,      // the last PV GEMM's wait returned (fused: and the next tile's block 0
                     // softmax done, which ptxas orders before that wait)
-  kStagingFree,     // the output's row sums taken and its staging tile free (staging_tile_barrier)
+  kStagingFree,     // the output may be staged: with one Q buffer, once its row sums are taken
+                    // and its K / V tile is free (staging_tile_barrier)
   kStaged,          // the output in shared memory (stmatrix and the proxy fence done)
   kStored,          // output written: staged and its TMA store issued (head dim 256: stored)
   kConsumerEvents,

@@ -629,8 +629,9 @@ void print_tile_budget(const std::vector<FwdCtaTimeline>& all, int w) {
   std::printf("  (*) to its output stored; tile 1 (n > 4): its next tile is not traced. blk0: "
               "block 0's softmax and, fused, the previous tile's last PV and output; to_next: lse, "
               "next tile's decode and, unfused, the last PV and output; fixed = duration - blocks "
-              "x per_blk; store = st_free (row sums, lse, wait for the staging tile) + st_smem (stmatrix, "
-              "proxy fence) + st_issue (the warpgroup's barrier, TMA store issue)\n");
+              "x per_blk; store = st_free (one Q buffer: row sums, lse, wait for the staging "
+              "tile) + st_smem (stmatrix, proxy fence) + st_issue (the warpgroup's barrier, TMA "
+              "store issue)\n");
 }
 
 // The steady key blocks of tile kind `kind` (CTAs of at least 4 tiles), per consumer warpgroup:
