@@ -161,23 +161,13 @@ __device__ __forceinline__ void bulk_wait_reads() {
 // so that it can sit between wgmma issue and wait without a divergent path in the wgmma region.
 template <uint32_t kCount = 1>
 __device__ __forceinline__ void bulk_read_wait_then_arrive_if(bool pred, uint32_t bar) {
-  if constexpr (kCount == 1) {
-    asm volatile(
-        "{\n .reg .pred p;\n"
-        " setp.ne.b32 p, %0, 0;\n"
-        " @p cp.async.bulk.wait_group.read 0;\n"
-        " @p mbarrier.arrive.shared::cta.b64 _, [%1];\n}" ::"r"(uint32_t(pred)),
-        "r"(bar)
-        : "memory");
-  } else {
-    asm volatile(
-        "{\n .reg .pred p;\n"
-        " setp.ne.b32 p, %0, 0;\n"
-        " @p cp.async.bulk.wait_group.read 0;\n"
-        " @p mbarrier.arrive.shared::cta.b64 _, [%1], %2;\n}" ::"r"(uint32_t(pred)),
-        "r"(bar), "n"(kCount)
-        : "memory");
-  }
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      " setp.ne.b32 p, %0, 0;\n"
+      " @p cp.async.bulk.wait_group.read 0;\n"
+      " @p mbarrier.arrive.shared::cta.b64 _, [%1], %2;\n}" ::"r"(uint32_t(pred)),
+      "r"(bar), "n"(kCount)
+      : "memory");
 }
 // Makes this thread's generic-proxy shared-memory writes visible to later async-proxy (TMA)
 // reads; a barrier must still order them with the thread that issues the TMA.
