@@ -228,13 +228,14 @@ def run(tiles, W, staged, seed, staged_buffers=3, cluster=1, mutation=None, stag
             ring[nxt] += 1
             if ring[nxt] > 1: errors.append(f"CTA{cta.rank} barrier {nxt} got two arrivals")
         def release_staged():
-            if staged and c['unreleased'] >= 0:
-                cta.store_reading[c['unreleased']] -= 1; cta.q_empty[c['unreleased']].arrive()
-            if not staged and c['unreleased'] >= 0:  # this warpgroup's K or V tile
+            buf = c['unreleased']
+            if buf >= 0 and staged:
+                cta.store_reading[buf] -= 1; cta.q_empty[buf].arrive()
+            elif buf >= 0:  # this warpgroup's K or V tile
                 kv = "KV"[w]
-                cta.stage_store[kv][c['unreleased']] -= 1
+                cta.stage_store[kv][buf] -= 1
                 if mutation != "staged stage released before its store read it":
-                    release(kv, c['unreleased'])  # the stage's index stands for its block
+                    release(kv, buf)  # the stage's index stands for its block
             c['unreleased'] = -1
         def write_output(buf):
             if staged:
