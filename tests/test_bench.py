@@ -272,7 +272,7 @@ def test_each_timed_repeat_is_preceded_by_untimed_calls_of_its_own_target():
 
 
 def test_gpu_repeats_last_long_enough_to_amortize_the_host_latency_around_each_loop():
-  # ~0.4 ms per loop on the H200 (docs/perf-notes.md session 37): 0.2 s repeats, 50 ms --quick
+  # 0.3-0.4 ms per loop on the H200 (docs/perf-notes.md session 37): 0.2 s repeats, 50 ms --quick
   full = cli.timing_options(cli.parse_args([]), "gpu")
   quick = cli.timing_options(cli.parse_args(["--quick"]), "gpu")
   chosen = cli.timing_options(cli.parse_args(["--min-repeat-s", "0.5", "--settle-s", "0"]), "gpu")

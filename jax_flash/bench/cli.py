@@ -136,10 +136,10 @@ def build_cases(args: argparse.Namespace, backend: str) -> list[configs.Case]:
 def timing_options(args: argparse.Namespace, backend: str) -> TimingOptions:
   if backend == "gpu":
     # prepare() and the kernel trace have already run each call three times: one warm-up is
-    # enough. A repeat's time includes ~0.4 ms of host latency around its loop (from the timer's
-    # start to the first kernel and from the last kernel to the wait's return; measured on the
-    # H200 with tests/gpu/power_probe.py --calls-per-wait, docs/perf-notes.md session 37):
-    # 0.2 s repeats hold that to ~0.2% of the time, 50 ms ones (--quick) to ~0.8%.
+    # enough. A repeat's time includes 0.3-0.4 ms of host latency around its loop (from the
+    # timer's start to the first kernel and from the last kernel to the wait's return; JAX's, the
+    # same for v3 and cuDNN on the H200, docs/perf-notes.md session 37): 0.2 s repeats hold that
+    # to ~0.2% of the time, 50 ms ones (--quick) to 0.6-0.8%.
     options = TimingOptions(repeats=3 if args.quick else 5,
                             min_repeat_s=0.05 if args.quick else 0.2, warmup=1,
                             settle_s=0.0 if args.quick else 0.2)
