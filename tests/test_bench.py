@@ -271,6 +271,16 @@ def test_each_timed_repeat_is_preceded_by_untimed_calls_of_its_own_target():
   assert len(timings["a"].samples_s) == 2
 
 
+def test_gpu_repeats_last_long_enough_to_amortize_the_host_latency_around_each_loop():
+  # 0.3-0.4 ms per loop on the H200 (docs/perf-notes.md session 37): 0.2 s repeats, 50 ms --quick
+  full = cli.timing_options(cli.parse_args([]), "gpu")
+  quick = cli.timing_options(cli.parse_args(["--quick"]), "gpu")
+  chosen = cli.timing_options(cli.parse_args(["--min-repeat-s", "0.5", "--settle-s", "0"]), "gpu")
+  assert (full.min_repeat_s, full.settle_s, full.repeats) == (0.2, 0.2, 5)
+  assert (quick.min_repeat_s, quick.settle_s) == (0.05, 0.0)
+  assert (chosen.min_repeat_s, chosen.settle_s) == (0.5, 0.0)
+
+
 def test_stall_dump_prints_every_threads_stack_while_a_case_stalls(capfd):
   def stalled_case():
     time.sleep(0.55)

@@ -135,8 +135,13 @@ def build_cases(args: argparse.Namespace, backend: str) -> list[configs.Case]:
 
 def timing_options(args: argparse.Namespace, backend: str) -> TimingOptions:
   if backend == "gpu":
-    # prepare() and the kernel trace have already run each call three times: one warm-up is enough
-    options = TimingOptions(repeats=3 if args.quick else 5, min_repeat_s=0.05, warmup=1,
+    # prepare() and the kernel trace have already run each call three times: one warm-up is
+    # enough. A repeat's time includes 0.3-0.4 ms of host latency around its loop (from the
+    # timer's start to the first kernel and from the last kernel to the wait's return; JAX's, the
+    # same for v3 and cuDNN on the H200, docs/perf-notes.md session 37): 0.2 s repeats hold that
+    # to ~0.2% of the time, 50 ms ones (--quick) to 0.6-0.8%.
+    options = TimingOptions(repeats=3 if args.quick else 5,
+                            min_repeat_s=0.05 if args.quick else 0.2, warmup=1,
                             settle_s=0.0 if args.quick else 0.2)
   else:  # each CPU call takes milliseconds to seconds: few calls, each waited for
     options = TimingOptions(repeats=3, min_repeat_s=0.05 if args.quick else 0.3, warmup=1,
