@@ -33,6 +33,7 @@ from jax_flash.bench.inputs import make_set
 from jax_flash.bench.peers import all_peers
 from jax_flash.bench.steps import prepare
 
+
 def _loop(prepared, seconds: float, calls_per_wait: int) -> tuple[float, list[tuple[float, int]]]:
   """Back-to-back calls for about `seconds`, waiting after every `calls_per_wait`; (wall-clock
   start, [(perf_counter, calls so far)]) with a stamp at the start and after each wait."""
@@ -93,11 +94,38 @@ def _trace_gaps(prepared, calls: int) -> tuple[float, float, float, int]:
   return busy / calls, span / calls, max(gaps, default=0.0), len(events)
 
 
-def _mean_inside(samples, start: float, end: float):
+def _mean_inside(samples, start: float, end: float) -> tuple[list[float], int] | None:
+  """([W, MHz, °C] averaged over the samples in [start, end], their count), None if none."""
   inside = [s[1:] for s in samples if start <= s[0] <= end]
   if not inside:
     return None
-  return [sum(column) / len(inside) for column in zip(*inside)] + [len(inside)]
+  return [sum(column) / len(inside) for column in zip(*inside)], len(inside)
+
+
+def _print_phase(name: str, start: float, stamps, traced, samples, flops: float,
+                 interval: float, trace_calls: int) -> None:
+  """A phase's line, its parts' lines (interval > 0) and its trace's line (trace_calls > 0)."""
+  elapsed, calls = stamps[-1][0] - stamps[0][0], stamps[-1][1]
+  parts = _parts(stamps, interval) if interval else []
+  rows = [("all", 0.0, elapsed, elapsed / calls)]
+  if len(parts) > 1:
+    rows += [(f"{lo:4.1f}-{hi:4.1f}", lo, hi, per_call) for lo, hi, per_call in parts]
+  for label, lo, hi, per_call in rows:
+    # the first 0.2 s of samples may still show the previous phase's load
+    means = _mean_inside(samples, start + max(lo, 0.2), start + hi)
+    line = f"{name:12s} {label:>11s} {per_call * 1e3:8.3f} {flops / per_call / 1e12:8.1f}"
+    if means is None:
+      print(line + "  (no smi samples)")
+      continue
+    (watts, mhz, celsius), count = means
+    joules = watts * per_call
+    print(f"{line} {watts:6.1f} {mhz:6.0f} {celsius:5.1f} {joules:7.3f} "
+          f"{flops / joules / 1e12:8.3f} {count}" + (f" ({calls} calls)" if label == "all" else ""))
+  if traced:
+    busy, span, largest_gap, events = traced
+    print(f"{name:12s} trace of {trace_calls} calls ({events} kernels): kernels "
+          f"{busy / 1e3:.3f} ms per call, first start to last end {span / 1e3:.3f} ms per call "
+          f"(idle {100 * (1 - busy / span):.2f}%), largest gap {largest_gap:.1f} us")
 
 
 def main() -> None:
@@ -131,7 +159,7 @@ def main() -> None:
               num_heads=num_heads, num_kv_heads=num_heads, head_dim=a.heads, causal=a.causal,
               dtype="bfloat16")
   flops = case.flops()
-  pad = jax.block_until_ready(jax.numpy.zeros(a.pad_bytes, jax.numpy.uint8)) if a.pad_bytes else None
+  pad = jax.numpy.zeros(a.pad_bytes, jax.numpy.uint8)  # allocated before the inputs, kept live
   inputs = make_set(case, jax.random.key(0))
   names = a.impl.split(",")
   by_name = {peer.name: peer for peer in all_peers(jax.default_backend())[0]}
@@ -139,7 +167,8 @@ def main() -> None:
   if missing:
     raise ValueError(f"--impl: {missing} not available here (available: {sorted(by_name)})")
   prepared = {name: prepare(by_name[name], case, [inputs], inputs) for name in set(names)}
-  smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,power.draw,clocks.sm,temperature.gpu",
+  smi = subprocess.Popen(["nvidia-smi",
+                          "--query-gpu=timestamp,power.draw,clocks.sm,temperature.gpu",
                           "--format=csv,noheader", "-lms", "100"],
                          stdout=open(a.log, "w"), stderr=subprocess.DEVNULL)
   try:
@@ -158,28 +187,8 @@ def main() -> None:
   print(f"{a.mode} {case.label}; {len(samples)} smi samples")
   print(f"{'impl':12s} {'part s':>11s} {'ms/call':>8s} {'TFLOP/s':>8s} {'W':>6s} {'MHz':>6s} "
         f"{'C':>5s} {'J/call':>7s} {'TFLOP/J':>8s} samples")
-  for name, start, stamps, traced in phases:
-    elapsed, calls = stamps[-1][0] - stamps[0][0], stamps[-1][1]
-    parts = _parts(stamps, a.interval) if a.interval else []
-    rows = [("all", 0.0, elapsed, elapsed / calls)]
-    if len(parts) > 1:
-      rows += [(f"{lo:4.1f}-{hi:4.1f}", lo, hi, per_call) for lo, hi, per_call in parts]
-    for label, lo, hi, per_call in rows:
-      # the first 0.2 s of samples may still show the previous phase's load
-      means = _mean_inside(samples, start + max(lo, 0.2), start + hi)
-      line = f"{name:12s} {label:>11s} {per_call * 1e3:8.3f} {flops / per_call / 1e12:8.1f}"
-      if means is None:
-        print(line + "  (no smi samples)")
-        continue
-      watts, mhz, celsius, count = means
-      joules = watts * per_call
-      print(f"{line} {watts:6.1f} {mhz:6.0f} {celsius:5.1f} {joules:7.3f} "
-            f"{flops / joules / 1e12:8.3f} {count}" + (f" ({calls} calls)" if label == "all" else ""))
-    if traced:
-      busy, span, largest_gap, events = traced
-      print(f"{name:12s} trace of {a.trace_calls} calls ({events} kernels): kernels "
-            f"{busy / 1e3:.3f} ms per call, first start to last end {span / 1e3:.3f} ms per call "
-            f"(idle {100 * (1 - busy / span):.2f}%), largest gap {largest_gap:.1f} us")
+  for phase in phases:
+    _print_phase(*phase, samples, flops, a.interval, a.trace_calls)
 
 
 if __name__ == "__main__":
