@@ -98,12 +98,15 @@ def stall_dump(seconds: float):
 
   From faulthandler's own thread, so it prints while the main thread is blocked in a device wait
   or a lock, which is where a benchmark stalls (an idle GPU with no output, as one run did)."""
+  if seconds <= 0:
+    yield
+    return
   stream = sys.stderr
   try:
     stream.fileno()
   except (AttributeError, OSError, ValueError):  # no file descriptor (e.g. a notebook's stderr)
     stream = sys.__stderr__
-  if seconds <= 0 or stream is None:
+  if stream is None:
     yield
     return
   faulthandler.dump_traceback_later(seconds, repeat=True, file=stream)

@@ -180,21 +180,27 @@ def resolve_cpu_names(report: KernelReport, hlo_text: str) -> KernelReport:
 
 # -- the jax profiler trace -------------------------------------------------------------------
 
-def trace_kernels(runs: dict[str, Callable[[], None]], backend: str) -> dict[str, KernelReport]:
-  """Run each implementation RUNS_PER_IMPL times (each `run` blocks until its work is done)
-  inside one profiler trace and return the kernels attributed to each."""
+def record_trace(body: Callable[[], None]) -> dict:
+  """The perfetto trace (parsed JSON) of a jax profiler trace around `body`."""
   options = jax.profiler.ProfileOptions()
   options.python_tracer_level = 0  # every Python call as an event: a bigger, slower trace
   with tempfile.TemporaryDirectory(prefix="jax_flash_bench_trace_") as log_dir:
     with jax.profiler.trace(log_dir, create_perfetto_trace=True, profiler_options=options):
-      for name, run in runs.items():
-        time.sleep(GAP_S)
-        with jax.profiler.TraceAnnotation(ANNOTATION_PREFIX + name):
-          for _ in range(RUNS_PER_IMPL):
-            run()
+      body()
+    return load_perfetto(log_dir)
+
+
+def trace_kernels(runs: dict[str, Callable[[], None]], backend: str) -> dict[str, KernelReport]:
+  """Run each implementation RUNS_PER_IMPL times (each `run` blocks until its work is done)
+  inside one profiler trace and return the kernels attributed to each."""
+  def run_all():
+    for name, run in runs.items():
       time.sleep(GAP_S)
-    trace = load_perfetto(log_dir)
-  return attribute(trace, list(runs), backend)
+      with jax.profiler.TraceAnnotation(ANNOTATION_PREFIX + name):
+        for _ in range(RUNS_PER_IMPL):
+          run()
+    time.sleep(GAP_S)
+  return attribute(record_trace(run_all), list(runs), backend)
 
 
 def load_perfetto(log_dir: str) -> dict:

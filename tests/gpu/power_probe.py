@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import tempfile
 import time
 
 import jax  # before the extension (DEVICE.md: the other order segfaulted on jax 0.11)
@@ -77,15 +76,12 @@ def _samples(path: str) -> list[tuple[float, float, float, float]]:
 def _trace_gaps(prepared, calls: int) -> tuple[float, float, float, int]:
   """(kernel µs per call, span µs per call, largest gap µs, kernels) of `calls` back-to-back
   calls in a profiler trace."""
-  options = jax.profiler.ProfileOptions()
-  options.python_tracer_level = 0
-  with tempfile.TemporaryDirectory(prefix="power_probe_trace_") as log_dir:
-    with jax.profiler.trace(log_dir, create_perfetto_trace=True, profiler_options=options):
-      out = None
-      for _ in range(calls):
-        out = prepared.call(0)
-      prepared.wait(out)
-    events = sorted(kernels.device_events(kernels.load_perfetto(log_dir), jax.default_backend()))
+  def back_to_back():
+    out = None
+    for _ in range(calls):
+      out = prepared.call(0)
+    prepared.wait(out)
+  events = sorted(kernels.device_events(kernels.record_trace(back_to_back), jax.default_backend()))
   if not events:
     raise RuntimeError("the trace holds no device event")
   busy = sum(dur for _, dur, _ in events)
