@@ -31,8 +31,9 @@ if has tests; then
     -k "${TEST_FILTER:-not cpu}" > "$OUT/pytest.log" 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/pytest.log" | tail -25
 fi
-# The grid of BENCHMARK.md, every mode, the peers in the same run. 3 repeats of 0.2 s (the
-# bench's GPU default) take as long per case as 5 of 50 ms did before session 37.
+# The grid of BENCHMARK.md, every mode, the peers in the same run. 3 repeats (the bench's GPU
+# default is 5) of 0.2 s, each after its 0.2 s settle, take about as long per case (1.2 s) as
+# 5 of 50 ms did before session 37 (1.25 s).
 if has bench; then
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
     --format=csv,noheader -lms 250 > "$OUT/smi.csv" 2>&1 &
